@@ -204,9 +204,12 @@ class ParallelLayout:
                 raise ConfigError(f"parallel size {name}={getattr(self, name)} must be >= 1")
         if self.etp is not None and self.etp < 1:
             raise ConfigError(f"parallel size etp={self.etp} must be >= 1")
-        if self.tp > 1 and self.expert_tp == 1 and self.ep == 1:
-            raise ConfigError(f"tp={self.tp} with etp=1 and ep=1 is refused: megatron-core then never "
-                              "syncs expert gradients across the TP ranks; use etp=tp or ep>1")
+        if self.ep == 1 and self.expert_tp != self.tp:
+            # with ep == 1 megatron-core reduces expert grads over the dense DP group, which only
+            # matches the expert DP group when etp == tp: otherwise expert grads are never synced
+            raise ConfigError(f"tp={self.tp} with etp={self.expert_tp} and ep=1 is refused: megatron-core "
+                              f"then never syncs expert gradients across the TP ranks; use etp=tp ({self.tp}) "
+                              "or ep>1")
         if self.sp is False and self.tp > 1:
             raise ConfigError(f"sp=false with tp={self.tp}: megatron-core MoE layers need sequence "
                               "parallelism whenever tp > 1")
@@ -304,8 +307,10 @@ def audio_transformer_config(spec: OmniSpec, layout: ParallelLayout, dtype: torc
                              **overrides):
     """Megatron `TransformerConfig` for the audio tower's encoder layers.
 
-    Sharded over TP when TP divides the audio heads; otherwise built with tp=1 (replicated) and
-    its gradients are all-reduced over the TP group by the caller's grad sync.
+    Sharded over TP when TP divides the audio heads; otherwise built with tp=1 and replicated on
+    every TP rank. Its inputs are identical on the TP ranks, so the replicated gradients already
+    agree bit for bit there; only the data-parallel grad sync applies (no TP all-reduce, which would
+    double them).
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 

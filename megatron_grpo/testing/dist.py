@@ -1,0 +1,256 @@
+"""Run a function on N real processes, torchrun-style, and get every rank's return value back.
+
+    from megatron_grpo.testing.dist import run_ranks
+
+    def step(scale):                      # top level of an importable module (pickled by name)
+        import torch.distributed as dist
+        dist.init_process_group("gloo")   # env:// from RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT
+        ...
+        return value                      # anything picklable
+
+    values = run_ranks(step, 2, 0.5)      # [value of rank 0, value of rank 1]
+
+Each rank is a fresh ``spawn`` process with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``, ``OMP_NUM_THREADS=1`` and
+any ``env=`` extras set. The first rank to raise makes ``run_ranks`` kill the others and re-raise
+that exception in the parent (same type when it pickles, with the rank's traceback text chained
+as the cause). A run still going after ``timeout`` seconds gets the Python stacks of the
+unfinished ranks dumped to stderr, is killed, and raises ``TimeoutError`` naming those ranks.
+Children are always reaped.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import socket
+import sys
+import time
+import traceback
+from multiprocessing.connection import wait
+from typing import Any, Callable
+
+__all__ = ["run_ranks", "RankError", "free_port"]
+
+_GRACE_S = 1.0  # after a first failure, how long to wait for the other ranks' own reports
+
+
+class RankError(RuntimeError):
+    """A rank failed in a way that cannot be re-raised as its own exception."""
+
+
+class _RemoteTraceback(Exception):
+    """Carries a child's formatted traceback as the ``__cause__`` of the re-raised exception."""
+
+    def __init__(self, tb: str):
+        super().__init__(tb)
+        self.tb = tb
+
+    def __str__(self) -> str:
+        return self.tb
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _detach() -> None:
+    """Own process group (so the parent can kill this rank together with anything it starts, e.g.
+    dist_checkpointing's manager process) and, on Linux, die with the parent."""
+    try:
+        os.setpgid(0, 0)
+    except (AttributeError, OSError):
+        pass
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+
+
+def _child(conn, rank: int, fn: Callable, args: tuple, kwargs: dict) -> None:
+    """Entry point of one rank: run fn and send ("ok", value) or ("err", ...) to the parent."""
+    _detach()
+    try:
+        import faulthandler
+
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # parent asks for stacks on hang
+    except (ImportError, AttributeError, ValueError):
+        pass
+    try:
+        value = fn(*args, **kwargs)
+        payload = pickle.dumps(("ok", value))
+    except BaseException as exc:  # noqa: BLE001 - every failure goes to the parent
+        tb = traceback.format_exc()
+        try:
+            exc_bytes = pickle.dumps(exc)
+            pickle.loads(exc_bytes)  # some exceptions pickle but do not unpickle
+        except Exception:  # noqa: BLE001
+            exc_bytes = None
+        payload = pickle.dumps(("err", time.time(), type(exc).__name__, str(exc), tb, exc_bytes))
+    try:
+        conn.send_bytes(payload)
+    finally:
+        conn.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def _env_for(rank: int, world_size: int, port: int) -> dict[str, str]:
+    return {
+        "RANK": str(rank), "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
+        "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
+    }
+
+
+def _start(ctx, target, args, env: dict[str, str]):
+    """Start a spawn process whose environment is the parent's plus ``env``."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        # Not a daemon: a rank may start processes of its own (dist_checkpointing does).
+        proc = ctx.Process(target=target, args=args, daemon=False)
+        proc.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return proc
+
+
+def _signal(proc, sig) -> None:
+    """Send sig to a rank's process group (the rank and whatever it started) and to the rank."""
+    if proc.pid is None:
+        return
+    if hasattr(os, "killpg"):
+        try:
+            os.killpg(proc.pid, sig)  # the group outlives the rank while anything in it runs
+        except (ProcessLookupError, PermissionError, OSError):
+            pass
+    if proc.is_alive():  # not yet reaped, so the pid is still this rank's
+        try:
+            os.kill(proc.pid, sig)
+        except (ProcessLookupError, PermissionError, OSError):
+            pass
+
+
+def _stop(procs: list) -> None:
+    """Terminate, then kill, every rank and its process group; join the ranks."""
+    for p in procs:
+        _signal(p, signal.SIGTERM)
+    deadline = time.monotonic() + 3.0
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        _signal(p, signal.SIGKILL)
+    for p in procs:
+        p.join()
+
+
+def _dump_stacks(procs: list, ranks: list[int]) -> None:
+    for r in ranks:
+        if procs[r].is_alive():
+            try:
+                os.kill(procs[r].pid, signal.SIGUSR1)
+            except (OSError, AttributeError):
+                pass
+    time.sleep(0.5)
+
+
+def _raise_failure(rank: int, info: tuple, others: list[int]) -> None:
+    _, _, type_name, message, tb, exc_bytes = info
+    also = f" (ranks {others} failed too)" if others else ""
+    exc = None
+    if exc_bytes is not None:
+        try:
+            exc = pickle.loads(exc_bytes)
+        except Exception:  # noqa: BLE001
+            exc = None
+    if isinstance(exc, BaseException):
+        if hasattr(exc, "add_note"):
+            exc.add_note(f"raised on rank {rank}{also}; its traceback is shown above")
+        raise exc from _RemoteTraceback(f"\n\nTraceback of rank {rank}:\n{tb}")
+    raise RankError(f"rank {rank} raised {type_name}: {message}{also}\n\nTraceback of rank {rank}:\n{tb}")
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300,
+              env: dict[str, str] | None = None, **kwargs: Any) -> list:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` spawned ranks; return their values by rank.
+
+    ``fn`` must be a picklable top-level function, and the arguments and return values picklable.
+    ``timeout`` (seconds, whole run) and ``env`` (extra environment variables for every rank, e.g.
+    ``{"CUDA_VISIBLE_DEVICES": ""}`` to force the CPU path) are not passed on to ``fn``.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs, readers = [], []
+    try:
+        for rank in range(world_size):
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = _start(ctx, _child, (writer, rank, fn, args, kwargs),
+                          {**(env or {}), **_env_for(rank, world_size, port)})
+            writer.close()  # the parent keeps only the read end: EOF when the child is gone
+            procs.append(proc)
+            readers.append(reader)
+
+        results: dict[int, Any] = {}
+        failures: dict[int, tuple] = {}
+        pending = {readers[r]: r for r in range(world_size)}
+        deadline = time.monotonic() + timeout
+        first_failure_at = None
+        while pending:
+            now = time.monotonic()
+            if first_failure_at is not None and now - first_failure_at > _GRACE_S:
+                break
+            if now >= deadline:
+                break
+            wait_for = deadline - now
+            if first_failure_at is not None:
+                wait_for = min(wait_for, _GRACE_S - (now - first_failure_at))
+            for conn in wait(list(pending), timeout=max(0.0, wait_for)):
+                rank = pending.pop(conn)
+                try:
+                    msg = pickle.loads(conn.recv_bytes())
+                except (EOFError, OSError):
+                    procs[rank].join(5)
+                    msg = ("err", time.time(), "ProcessDied",
+                           f"rank {rank} exited with code {procs[rank].exitcode} without a result",
+                           "(no Python traceback: the process died, e.g. killed or crashed)", None)
+                except Exception as exc:  # noqa: BLE001 - e.g. a return value that won't unpickle
+                    msg = ("err", time.time(), type(exc).__name__, str(exc),
+                           f"could not unpickle the value rank {rank} returned: {exc!r}", None)
+                if msg[0] == "ok":
+                    results[rank] = msg[1]
+                else:
+                    failures[rank] = msg
+                    if first_failure_at is None:
+                        first_failure_at = time.monotonic()
+
+        if failures:
+            first = min(failures, key=lambda r: (failures[r][1], r))
+            _raise_failure(first, failures[first], sorted(r for r in failures if r != first))
+        if pending:
+            stuck = sorted(pending.values())
+            _dump_stacks(procs, stuck)
+            raise TimeoutError(
+                f"ranks {stuck} of {world_size} did not finish within {timeout:g}s "
+                f"(finished: {sorted(results)}); their Python stacks were dumped to stderr")
+        for proc in procs:  # let finished ranks exit on their own (atexit handlers, flushes)
+            proc.join(max(0.0, min(10.0, deadline - time.monotonic())))
+        return [results[r] for r in range(world_size)]
+    finally:
+        _stop(procs)
+        for reader in readers:
+            reader.close()

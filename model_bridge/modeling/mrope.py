@@ -1,0 +1,111 @@
+"""Qwen3-Omni's interleaved multimodal RoPE (MRoPE) for megatron-core, and the positions it takes.
+
+megatron-core's ``MultimodalRotaryEmbedding`` assigns the rotary frequency channels to the three
+position axes (t, h, w) in contiguous chunks (Qwen2-VL layout). Qwen3-Omni's thinker interleaves
+them instead: channel ``j`` takes its angle from axis h when ``j % 3 == 1 and j < 3 * section[1]``,
+from axis w when ``j % 3 == 2 and j < 3 * section[2]``, else from axis t (transformers'
+``Qwen3OmniMoeThinkerTextRotaryEmbedding.recomposition_frequencies``). The two layouts differ by up
+to 2.0 in cos/sin as soon as the axes disagree, so ``GPTModel(position_embedding_type="mrope")``
+gets its ``rotary_pos_emb`` replaced by :class:`InterleavedMRoPE`.
+
+Shapes: T = tokens, b = batch, d = head_dim.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = ["InterleavedMRoPE", "interleaved_mrope_freqs", "mrope_position_ids"]
+
+
+def interleaved_mrope_freqs(position_ids: torch.Tensor, inv_freq: torch.Tensor,
+                            mrope_section: Sequence[int]) -> torch.Tensor:
+    """Rotary angles [b, T, d] (both halves, non-GPT-J layout) for positions [3, b, T].
+
+    Computed the way transformers does it (positions in fp32 times inv_freq, then the interleaved
+    axis selection), so ``cos``/``sin`` of the result equal HF's exactly.
+    """
+    if position_ids.dim() != 3 or position_ids.shape[0] != 3:
+        raise ValueError(f"MRoPE position_ids must have shape [3, b, T], got {tuple(position_ids.shape)}")
+    half = inv_freq.shape[0]
+    if len(mrope_section) != 3 or sum(mrope_section) != half:
+        raise ValueError(f"mrope_section {list(mrope_section)} must have 3 entries summing to "
+                         f"head_dim/2 = {half}")
+    pos = position_ids.to(device=inv_freq.device, dtype=torch.float32)
+    freqs = pos[..., None] * inv_freq.float()  # [3, b, T, d/2]
+    out = freqs[0].clone()
+    for axis in (1, 2):
+        idx = slice(axis, 3 * mrope_section[axis], 3)
+        out[..., idx] = freqs[axis][..., idx]
+    return torch.cat((out, out), dim=-1)  # [b, T, d]
+
+
+class InterleavedMRoPE(torch.nn.Module):
+    """Drop-in replacement for megatron's ``MultimodalRotaryEmbedding`` with Qwen3-Omni's layout.
+
+    ``forward(position_ids[3, b, T], mrope_section, cp_group=None) -> [T, b, 1, d]`` angles, the
+    format megatron's ``apply_rotary_pos_emb`` expects. For packed (THD) input, pass positions for
+    all T packed tokens (restarting per sample): megatron then maps each sample through its
+    ``cu_seqlens`` offset (exact mapping because ``freqs.size(0) == cu_seqlens[-1]``).
+    """
+
+    def __init__(self, kv_channels: int, rotary_base: float, rotary_percent: float = 1.0,
+                 rotary_interleaved: bool = False, seq_len_interpolation_factor: Optional[float] = None,
+                 device: torch.device | str | None = None):
+        super().__init__()
+        if rotary_interleaved:
+            raise ValueError("GPT-J style rotary_interleaved pairing is not Qwen3-Omni's; set it False")
+        if rotary_percent != 1.0:
+            raise ValueError("Qwen3-Omni rotates the whole head (rotary_percent must be 1.0)")
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        dim = kv_channels
+        # same expression as transformers' compute_default_rope_parameters (and megatron's). A plain
+        # attribute, not a buffer (as in megatron): Float16Module / model.bfloat16() cast buffers,
+        # and the angles must stay fp32.
+        self.inv_freq = 1.0 / (rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+        self.rotary_interleaved = False
+        self.seq_len_interpolation_factor = seq_len_interpolation_factor
+
+    def forward(self, position_ids: torch.Tensor, mrope_section: Sequence[int],
+                cp_group: Optional[torch.distributed.ProcessGroup] = None) -> torch.Tensor:
+        if cp_group is not None and cp_group.size() > 1:
+            raise NotImplementedError("context parallelism is not supported by InterleavedMRoPE")
+        if self.seq_len_interpolation_factor is not None:
+            position_ids = position_ids.float() / self.seq_len_interpolation_factor
+        if self.inv_freq.device != position_ids.device:
+            self.inv_freq = self.inv_freq.to(position_ids.device)
+        emb = interleaved_mrope_freqs(position_ids, self.inv_freq, mrope_section)  # [b, T, d]
+        return emb[:, :, None, :].transpose(0, 1).contiguous()  # [T, b, 1, d]
+
+
+def mrope_position_ids(input_ids: torch.Tensor, spec, cu_seqlens: torch.Tensor | Sequence[int] | None = None
+                       ) -> torch.Tensor:
+    """The [3, T] MRoPE positions transformers uses for a text/audio sequence (int64).
+
+    For text and audio (no image/video) Qwen3-Omni's ``get_rope_index`` gives every token the next
+    sequential position on all three axes (audio tokens included). With ``cu_seqlens`` (packed
+    samples) the positions restart at 0 at each sample start; tokens after ``cu_seqlens[-1]``
+    (trailing padding) count on from 0 as one more segment. ``input_ids`` is [T] or [1, T];
+    ``spec`` an :class:`~model_bridge.config.OmniSpec`.
+    """
+    ids = input_ids.reshape(-1) if input_ids.dim() == 2 and input_ids.shape[0] == 1 else input_ids
+    if ids.dim() != 1:
+        raise ValueError(f"input_ids must be [T] or [1, T], got {tuple(input_ids.shape)}")
+    for name in ("image_token_id", "video_token_id"):
+        tok = getattr(spec, name)
+        if bool((ids == tok).any()):
+            raise NotImplementedError(f"input_ids contain {name}={tok}: vision inputs are not supported "
+                                      "(their 3-D MRoPE positions are not implemented)")
+    T = ids.shape[0]
+    if cu_seqlens is None:
+        pos = torch.arange(T, device=ids.device)
+    else:
+        cu = [int(x) for x in (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens)]
+        if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] > T:
+            raise ValueError(f"cu_seqlens {cu} must start at 0, not decrease and end at <= T={T}")
+        bounds = cu + ([T] if cu[-1] < T else [])
+        pos = torch.cat([torch.arange(b - a, device=ids.device) for a, b in zip(bounds, bounds[1:])]
+                        or [torch.zeros(0, dtype=torch.long, device=ids.device)])
+    return pos.unsqueeze(0).expand(3, T).contiguous()

@@ -1,0 +1,87 @@
+"""run_ranks: values in rank order, a rank's exception re-raised, a hang turned into TimeoutError."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from megatron_grpo.testing.dist import RankError, run_ranks
+
+
+def _whoami(scale, offset=0):
+    return {
+        "rank": int(os.environ["RANK"]) * scale + offset,
+        "world": int(os.environ["WORLD_SIZE"]),
+        "local_rank": int(os.environ["LOCAL_RANK"]),
+        "addr": os.environ["MASTER_ADDR"],
+        "port": int(os.environ["MASTER_PORT"]),
+        "omp": os.environ["OMP_NUM_THREADS"],
+        "pid": os.getpid(),
+    }
+
+
+def _gloo_allreduce():
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return t.item()
+
+
+def _fail_on_rank_1():
+    if os.environ["RANK"] == "1":
+        raise ValueError("boom on rank one")
+    return "fine"
+
+
+class _Unpicklable(Exception):
+    def __init__(self, a, b):  # pickles, but unpickling calls __init__ with one argument
+        super().__init__(f"{a}/{b}")
+
+
+def _fail_unpicklable():
+    raise _Unpicklable("x", "y")
+
+
+def _hang_on_rank_0(seconds):
+    if os.environ["RANK"] == "0":
+        time.sleep(seconds)
+    return "done"
+
+
+def test_values_in_rank_order_with_env():
+    out = run_ranks(_whoami, 3, 10, offset=1)
+    assert [o["rank"] for o in out] == [1, 11, 21]
+    assert [o["local_rank"] for o in out] == [0, 1, 2]
+    assert {o["world"] for o in out} == {3}
+    assert {o["addr"] for o in out} == {"127.0.0.1"}
+    assert len({o["port"] for o in out}) == 1
+    assert {o["omp"] for o in out} == {"1"}
+    assert len({o["pid"] for o in out}) == 3 and os.getpid() not in {o["pid"] for o in out}
+
+
+def test_env_rendezvous_works_for_gloo():
+    assert run_ranks(_gloo_allreduce, 2) == [3.0, 3.0]
+
+
+def test_exception_on_rank_1_is_reraised():
+    with pytest.raises(ValueError, match="boom on rank one") as info:
+        run_ranks(_fail_on_rank_1, 2, timeout=60)
+    assert "rank 1" in "".join(getattr(info.value, "__notes__", []))
+    assert "_fail_on_rank_1" in str(info.value.__cause__)  # the child's traceback text
+
+
+def test_exception_that_does_not_unpickle_becomes_rank_error():
+    with pytest.raises(RankError, match=r"rank 0 raised _Unpicklable: x/y"):
+        run_ranks(_fail_unpicklable, 1, timeout=60)
+
+
+def test_hang_becomes_timeout_error_naming_the_rank():
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"ranks \[0\] of 2 did not finish"):
+        run_ranks(_hang_on_rank_0, 2, 600, timeout=5)
+    assert time.monotonic() - t0 < 20
