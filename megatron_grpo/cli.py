@@ -56,12 +56,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--speech", action="store_true",
                    help="add spoken-word events (needs espeak-ng on PATH)")
     s.set_defaults(func=_cmd_make_data)
+
+    from megatron_grpo.rollout.serve_cli import add_serve_parser  # argparse only: vLLM loads in `run_serve`
+
+    add_serve_parser(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # subcommands that wrap another program (serve -> vLLM) take the arguments they do not know
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not getattr(args, "accepts_extra_args", False):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.extra_args = extra
     if not getattr(args, "func", None):
         parser.print_help()
         return 0

