@@ -8,9 +8,11 @@ One row (one JSON object per line)::
      "ground_truth": "[00:12 - 00:14]"}
 
 ``messages`` and ``audios`` are required; ``tools`` (a JSON string of a list, or a list) and
-``ground_truth`` are optional; other columns are allowed and ignored here.  Every ``<audio>`` tag
-in the messages takes the next entry of ``audios`` (so their counts must match); audio paths are
-relative to the JSONL file's directory unless absolute.
+``ground_truth`` are optional; other columns are allowed and ignored here.  Roles are ``system``,
+``user``, ``assistant`` or ``tool``; contents are strings.  Every ``<audio>`` tag (only in user
+messages) takes the next entry of ``audios`` (so their counts must match); audio paths are
+relative to the JSONL file's directory unless absolute.  The audio itself (decodable, length,
+size, sample rate) is checked by :mod:`megatron_grpo.data.reader`.
 
 :func:`check_row` raises :class:`DataError` whose message names the file, the line, what is wrong
 and how to fix it.  :func:`parse_span` / :func:`format_span` are shared with the rewards.
@@ -32,7 +34,26 @@ _SPAN_RE = re.compile(SPAN_PATTERN)
 
 
 class DataError(ValueError):
-    """A data row is malformed; the message says which file and line, why, and how to fix it."""
+    """A data row is malformed; the message says which file and line, why, and how to fix it.
+
+    Besides the message it carries its parts: ``path``, ``line`` (1-based line number, or None for
+    a whole-file problem), ``kind`` (a short category such as ``"missing audio"`` or ``"malformed
+    JSON"``, used to summarise skipped rows), ``reason`` and ``fix``.
+    """
+
+    def __init__(self, message: str, *, path: Any = None, line: int | None = None,
+                 kind: str = "invalid row", reason: str | None = None, fix: str | None = None):
+        super().__init__(message)
+        self.path, self.line, self.kind = path, line, kind
+        self.reason, self.fix = reason if reason is not None else message, fix
+
+
+def row_error(path: Any, line_no: int | None, reason: str, fix: str, kind: str) -> DataError:
+    """The one message format for a bad row: ``"{path} line {n}: {reason} — {fix}"`` (without the
+    line part when ``line_no`` is None)."""
+    where = f"{path} line {line_no}" if line_no is not None else f"{path}"
+    return DataError(f"{where}: {reason} — {fix}", path=path, line=line_no, kind=kind,
+                     reason=reason, fix=fix)
 
 
 def parse_span(text: str) -> tuple[float, float]:
@@ -62,8 +83,8 @@ def format_span(start_sec: float, end_sec: float) -> str:
     return f"[{_mmss(math.floor(s))} - {_mmss(math.ceil(e))}]"
 
 
-def _fail(path: Any, line_no: int, reason: str, fix: str) -> DataError:
-    return DataError(f"{path} line {line_no}: {reason} — {fix}")
+def _fail(path: Any, line_no: int, reason: str, fix: str, kind: str = "invalid row") -> DataError:
+    return row_error(path, line_no, reason, fix, kind)
 
 
 def _type_name(v: Any) -> str:
@@ -71,21 +92,33 @@ def _type_name(v: Any) -> str:
             bool: "boolean", int: "number", float: "number"}.get(type(v), type(v).__name__)
 
 
-def _check_tools(tools: Any, path: Any, line_no: int) -> None:
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def _check_tools(tools: Any, path: Any, line_no: int) -> list:
+    """-> the tool specs as a list (parsed when given as a JSON string)."""
     if isinstance(tools, str):
         try:
             tools = json.loads(tools)
         except json.JSONDecodeError as e:
             raise _fail(path, line_no, f"'tools' is a string but not valid JSON ({e.msg} at char {e.pos})",
-                        "write it as json.dumps(list_of_tool_specs)") from None
+                        "write it as json.dumps(list_of_tool_specs)", "tools not JSON") from None
     if not isinstance(tools, list):
         raise _fail(path, line_no, f"'tools' must be a list of tool specs, got {_type_name(tools)}",
-                    'use a list such as [{"type": "function", "function": {"name": ...}}]')
+                    'use a list such as [{"type": "function", "function": {"name": ...}}]', "bad tools")
     for i, spec in enumerate(tools):
         fn = spec.get("function", spec) if isinstance(spec, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
             raise _fail(path, line_no, f"'tools'[{i}] has no function name",
-                        'give each spec {"type": "function", "function": {"name": ..., "parameters": ...}}')
+                        'give each spec {"type": "function", "function": {"name": ..., "parameters": ...}}',
+                        "bad tools")
+    return tools
+
+
+def parse_tools(tools: Any, *, path: Any = "<row>", line_no: int | None = None) -> list:
+    """The row's ``tools`` (a JSON string or a list; absent/None -> ``[]``) as a list of specs,
+    validated as :func:`check_row` does."""
+    return [] if tools is None else _check_tools(tools, path, line_no)
 
 
 def check_row(obj: Any, *, path: str | os.PathLike, line_no: int, base_dir: str | os.PathLike) -> None:
@@ -96,47 +129,58 @@ def check_row(obj: Any, *, path: str | os.PathLike, line_no: int, base_dir: str 
     """
     if not isinstance(obj, dict):
         raise _fail(path, line_no, f"a row must be a JSON object, got {_type_name(obj)}",
-                    'write one object per line: {"messages": [...], "audios": [...], ...}')
+                    'write one object per line: {"messages": [...], "audios": [...], ...}', "not an object")
 
     if "messages" not in obj:
         raise _fail(path, line_no, "missing 'messages'",
-                    'add "messages": [{"role": "user", "content": "<audio>\\n..."}]')
+                    'add "messages": [{"role": "user", "content": "<audio>\\n..."}]', "missing key")
     messages = obj["messages"]
     if not isinstance(messages, list) or not messages:
         got = "an empty list" if isinstance(messages, list) else _type_name(messages)
         raise _fail(path, line_no, f"'messages' must be a non-empty list, got {got}",
-                    'write "messages": [{"role": "user", "content": "..."}]')
+                    'write "messages": [{"role": "user", "content": "..."}]', "bad messages")
     n_tags = 0
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not m["role"]:
             raise _fail(path, line_no, f"messages[{i}] has no 'role'",
-                        'each message needs {"role": "user"|"assistant"|"system"|"tool", "content": "..."}')
+                        'each message needs {"role": "user"|"assistant"|"system"|"tool", "content": "..."}',
+                        "bad messages")
+        if m["role"] not in ROLES:
+            raise _fail(path, line_no, f"messages[{i}] has unknown role {m['role']!r}",
+                        'use one of "system", "user", "assistant", "tool"', "bad messages")
         if not isinstance(m.get("content"), str):
             raise _fail(path, line_no,
                         f"messages[{i}]['content'] must be a string, got {_type_name(m.get('content'))}",
-                        "write the text (with one <audio> tag per audio) as a string")
-        n_tags += m["content"].count(AUDIO_TAG)
+                        "write the text (with one <audio> tag per audio) as a string", "bad messages")
+        k = m["content"].count(AUDIO_TAG)
+        if k and m["role"] != "user":
+            raise _fail(path, line_no, f"messages[{i}] ({m['role']}) holds an {AUDIO_TAG} tag; audio may "
+                        "only be in user messages", f"move the {AUDIO_TAG} tag into a user message",
+                        "bad messages")
+        n_tags += k
 
     if "audios" not in obj:
         raise _fail(path, line_no, "missing 'audios'",
-                    'add "audios": ["path/to/file.mp3"] with one entry per <audio> tag')
+                    'add "audios": ["path/to/file.mp3"] with one entry per <audio> tag', "missing key")
     audios = obj["audios"]
     if not isinstance(audios, list) or not all(isinstance(a, str) and a for a in audios):
         raise _fail(path, line_no, f"'audios' must be a list of path strings, got {_type_name(audios)}"
                     + ("" if not isinstance(audios, list) else " with a non-string or empty entry"),
-                    'write "audios": ["audio/0001.mp3", ...]')
+                    'write "audios": ["audio/0001.mp3", ...]', "bad audios")
     if n_tags != len(audios):
         fix = ("add the missing audio path or remove a tag" if n_tags > len(audios)
                else "add an <audio> tag to the message text or remove the extra path")
         raise _fail(path, line_no,
                     f"{n_tags} {AUDIO_TAG} tag{'s' if n_tags != 1 else ''} but {len(audios)} "
-                    f"entr{'ies' if len(audios) != 1 else 'y'} in 'audios'", fix)
+                    f"entr{'ies' if len(audios) != 1 else 'y'} in 'audios'", fix,
+                    "audio tag count mismatch")
     base = Path(base_dir)
     for a in audios:
         p = Path(a) if os.path.isabs(a) else base / a
         if not p.is_file():
             raise _fail(path, line_no, f"audio file not found: {a!r} (looked at {p})",
-                        "fix the path; relative paths are resolved against the JSONL file's directory")
+                        "fix the path; relative paths are resolved against the JSONL file's directory",
+                        "missing audio")
 
     if "tools" in obj:
         _check_tools(obj["tools"], path, line_no)
@@ -147,4 +191,5 @@ def check_row(obj: Any, *, path: str | os.PathLike, line_no: int, base_dir: str 
             parse_span(gt)
         except ValueError:
             raise _fail(path, line_no, f"'ground_truth' {gt!r} is not a time span",
-                        "write it as '[MM:SS - MM:SS]', e.g. '[01:05 - 01:20]', with start <= end") from None
+                        "write it as '[MM:SS - MM:SS]', e.g. '[01:05 - 01:20]', with start <= end",
+                        "bad ground_truth") from None
