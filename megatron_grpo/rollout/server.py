@@ -86,6 +86,10 @@ class ServerSpec:
     weight_transfer_backend: str | None = "auto"
     """Weight-transfer engine for `weight_sync.push`: "gloo" (CPU), "nccl" (GPU), "auto" (gloo
     without CUDA, nccl with it), None (no weight-transfer endpoints configured)."""
+    token_api: bool = True
+    """Serve vLLM's token-in/token-out endpoint ``/inference/v1/generate`` (``--enable-scale-out``),
+    which the rollout client needs: it takes prompt token ids plus audio and returns token ids,
+    logprobs and the expanded prompt ids (docs/rollout.md, "Multi-turn protocol")."""
     extra_args: list[str] = field(default_factory=list)
     """Further `vllm serve` arguments, passed through verbatim."""
 
@@ -130,6 +134,8 @@ def build_command(spec: ServerSpec) -> list[str]:
         cmd += ["--worker-extension-cls", spec.worker_extension]
     if spec.weight_transfer_backend:
         cmd += ["--weight-transfer-config", json.dumps({"backend": spec.weight_transfer_backend})]
+    if spec.token_api:  # /inference/v1/generate (+ /render, /derender): the rollout client's endpoint
+        cmd += ["--enable-scale-out"]
     if spec.api_key:  # the key itself travels in the environment (VLLM_API_KEY), see VLLMServer._env
         cmd += ["--middleware", AUTH_MIDDLEWARE]
     return cmd + list(spec.extra_args)
@@ -204,6 +210,9 @@ class VLLMServer:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.spec.cpu_kvcache_gib))
         if self.spec.api_key:
             env["VLLM_API_KEY"] = self.spec.api_key
+        # clips travel as lossless float32 WAV (64 KB per second): vLLM's default 25 MB cap would
+        # refuse recordings longer than ~6.8 min; 64 MB covers the 10-minute data limit with room
+        env.setdefault("VLLM_MAX_AUDIO_CLIP_FILESIZE_MB", "64")
         return env
 
     def log_tail(self, n: int = 40) -> str:

@@ -1,0 +1,575 @@
+"""Distributed training checkpoints: save, find the latest complete one, resume exactly.
+
+Layout (``run_dir/checkpoints/``)::
+
+    latest                        text: "step_00000012" -- written last, atomically (tmp + rename)
+    step_00000012/                one complete checkpoint (megatron dist_checkpointing, torch_dist)
+        mgrpo_checkpoint.json     our metadata; its presence marks the directory complete
+        metadata.json, common.pt  megatron's: format, the common (rank-0) state
+        __*_*.distcp              the sharded tensors and objects of every rank
+    .tmp-step_00000014/           a save in progress, or one that died: ignored on load (warning)
+
+What one checkpoint holds (every rank contributes its shards; nothing is gathered):
+
+* ``model`` (``model0``, ``model1``, ... with several virtual-pipeline chunks): each chunk's
+  megatron ``sharded_state_dict()`` (DDP / Float16Module wrappers stripped);
+* ``optimizer``: the megatron optimizer's ``sharded_state_dict`` -- with the distributed optimizer
+  the fp32 master weights and Adam moments, sharded as ``dp_reshardable`` (megatron-LM's default:
+  fully parallel, reloadable under another DP size, same TP/PP/EP);
+* ``scheduler``: ``OptimizerParamScheduler.state_dict()`` and the step (common state, rank 0);
+* ``rank_state``: one object per rank (a ``ShardedObject`` of shape ``[world]``): its RNG states
+  (Python, NumPy, torch CPU, torch CUDA, megatron's TP/EP RNG tracker) and ``extra_state`` (the
+  data iterator's position, the non-finite guard's counters, ...: anything picklable).
+
+Save protocol (all ranks call :func:`save_checkpoint`): rank 0 creates ``.tmp-step_N``; all ranks
+write their shards into it with ``dist_checkpointing.save``; rank 0 writes
+``mgrpo_checkpoint.json``, renames the directory to ``step_N`` (atomic on one file system), then
+replaces ``latest``, then deletes older checkpoints beyond ``keep_last`` -- only after the new one is
+complete, and never the one just written, so a crash at any point leaves at least one good
+checkpoint. A failure on any rank in the steps around the megatron save is raised on every rank.
+
+Load (:func:`load_checkpoint`, all ranks): rank 0 picks the checkpoint (``latest`` if it names a
+complete one, else the highest complete ``step_*``, with a warning; ``.tmp-*`` directories are
+ignored with a warning) and broadcasts its path; every rank loads model, optimizer, scheduler and
+its own RNG states and extra state, and gets ``(step, extra_state)`` back. Training continues at
+``step + 1``; on CPU that step is bit-identical to an uninterrupted run (tested). Under another
+world size the model and optimizer reshard (DP only), the RNG states are not restored (warning)
+and every rank gets rank 0's ``extra_state``.
+
+Two megatron-core quirks are handled here (both when neither Transformer Engine nor Apex is
+installed, as on our CPU and GPU machines): its ``DistributedOptimizer.state_dict()`` asserts on a
+fresh torch Adam with no state, so the state is initialised (zeros, step 0) before loading; and its
+load hands every parameter the *same* ``step`` tensor, which torch's foreach Adam then increments
+once per parameter, so each parameter gets its own step tensor after loading.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import random
+import re
+import shutil
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+__all__ = ["save_checkpoint", "load_checkpoint", "find_latest_checkpoint", "list_checkpoints",
+           "checkpoint_root", "CheckpointError", "rng_state", "set_rng_state", "CHECKPOINT_FORMAT",
+           "DEFAULT_OPTIMIZER_SHARDING", "META_FILE", "LATEST_FILE"]
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_FORMAT = "megatron-grpo/1"
+META_FILE = "mgrpo_checkpoint.json"
+LATEST_FILE = "latest"
+DEFAULT_OPTIMIZER_SHARDING = "dp_reshardable"
+_STEP_RE = re.compile(r"^step_(\d{8,})$")
+_TMP_PREFIX = ".tmp-"
+_DEL_PREFIX = ".del-"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be saved or loaded; raised on every rank."""
+
+
+# ------------------------------------------------------------------------------------------------
+# directory helpers (no collectives)
+# ------------------------------------------------------------------------------------------------
+
+
+def checkpoint_root(run_dir: os.PathLike | str) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def step_dirname(step: int) -> str:
+    return f"step_{int(step):08d}"
+
+
+def _read_meta(path: Path) -> Optional[dict]:
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT or "step" not in meta:
+        return None
+    return meta
+
+
+def list_checkpoints(run_dir: os.PathLike | str) -> list[tuple[int, Path]]:
+    """Complete checkpoints ``(step, path)`` under ``run_dir``, oldest first."""
+    root = checkpoint_root(run_dir)
+    out = []
+    if not root.is_dir():
+        return out
+    for p in root.iterdir():
+        m = _STEP_RE.match(p.name)
+        if m and p.is_dir() and _read_meta(p) is not None:
+            out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def find_latest_checkpoint(run_dir: os.PathLike | str, *, warn: bool = True) -> Optional[Path]:
+    """The checkpoint to resume from (see the module doc), or None. Local: no collective."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return None
+    if warn:
+        for p in sorted(root.iterdir()):
+            if p.name.startswith(_TMP_PREFIX):
+                _warn(f"ignoring incomplete checkpoint {p} (a save that did not finish)")
+            elif _STEP_RE.match(p.name) and p.is_dir() and _read_meta(p) is None:
+                _warn(f"ignoring {p}: it has no valid {META_FILE}, so it is not a complete checkpoint")
+    good = list_checkpoints(run_dir)
+    marker = root / LATEST_FILE
+    if marker.exists():
+        name = marker.read_text().strip()
+        cand = root / name
+        if _STEP_RE.match(name) and _read_meta(cand) is not None:
+            return cand
+        if warn:
+            _warn(f"{marker} names {name!r}, which is not a complete checkpoint; "
+                  + (f"using the newest complete one, {good[-1][1].name}" if good else "no complete checkpoint found"))
+    elif good and warn:
+        _warn(f"{marker} is missing; using the newest complete checkpoint, {good[-1][1].name}")
+    return good[-1][1] if good else None
+
+
+def _warn(msg: str) -> None:
+    log.warning(msg)
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
+# ------------------------------------------------------------------------------------------------
+# RNG
+# ------------------------------------------------------------------------------------------------
+
+
+def rng_state() -> dict:
+    """Every RNG state this process uses: Python, NumPy, torch CPU, torch CUDA, megatron's tracker."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch_cpu": torch.get_rng_state(),
+             "torch_cuda": None, "megatron_tracker": None}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["torch_cuda"] = [s.cpu() for s in torch.cuda.get_rng_state_all()]
+    try:
+        from megatron.core import tensor_parallel
+
+        tracker = tensor_parallel.get_cuda_rng_tracker()
+        states = tracker.get_states() if getattr(tracker, "is_initialized", lambda: True)() else {}
+        if states and all(torch.is_tensor(v) for v in states.values()):
+            state["megatron_tracker"] = {k: v.detach().clone().cpu() for k, v in states.items()}
+    except Exception:  # noqa: BLE001 - no megatron, or no tracker yet
+        pass
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Inverse of :func:`rng_state`."""
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch_cpu"])
+    if state.get("torch_cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["torch_cuda"])
+    if state.get("megatron_tracker"):
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.get_cuda_rng_tracker().set_states(dict(state["megatron_tracker"]))
+
+
+def _pack(obj: Any) -> torch.Tensor:
+    """Arbitrary picklable object -> uint8 tensor (safe for torch.load(weights_only=True))."""
+    return torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+
+
+def _unpack(t) -> Any:
+    if isinstance(t, torch.Tensor):
+        return pickle.loads(t.cpu().numpy().tobytes())
+    return t
+
+
+# ------------------------------------------------------------------------------------------------
+# collectives
+# ------------------------------------------------------------------------------------------------
+
+
+def _dist():
+    import torch.distributed as dist
+
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def _rank() -> int:
+    d = _dist()
+    return d.get_rank() if d else 0
+
+
+def _world() -> int:
+    d = _dist()
+    return d.get_world_size() if d else 1
+
+
+def _device():
+    d = _dist()
+    if d is not None and "nccl" in str(d.get_backend()).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _raise_if_any_failed(error: Optional[BaseException], what: str) -> None:
+    """Collective: every rank learns whether one failed; all raise (the failing rank its own error)."""
+    d = _dist()
+    if d is None or d.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=_device())
+    d.all_reduce(flag, op=d.ReduceOp.MAX)
+    if not int(flag.item()):
+        return
+    msgs: list = [None] * d.get_world_size()
+    d.all_gather_object(msgs, None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    failed = [(r, m) for r, m in enumerate(msgs) if m is not None]
+    raise CheckpointError(f"{what} failed on rank {failed[0][0]} ({len(failed)} rank(s) failed): {failed[0][1]}")
+
+
+def _broadcast_from_zero(obj: Any) -> Any:
+    d = _dist()
+    if d is None or d.get_world_size() == 1:
+        return obj
+    box = [obj]
+    kw = {"device": _device()} if _device().type == "cuda" else {}
+    d.broadcast_object_list(box, src=0, **kw)
+    return box[0]
+
+
+def _barrier() -> None:
+    d = _dist()
+    if d is not None and d.get_world_size() > 1:
+        if _device().type == "cuda":
+            d.barrier(device_ids=[torch.cuda.current_device()])
+        else:
+            d.barrier()
+
+
+# ------------------------------------------------------------------------------------------------
+# state dicts
+# ------------------------------------------------------------------------------------------------
+
+
+def _chunks(model_chunks) -> list[torch.nn.Module]:
+    from model_bridge.load import model_chunks as unwrap_chunks
+
+    return unwrap_chunks(model_chunks)
+
+
+def _model_keys(n: int) -> list[str]:
+    return ["model"] if n == 1 else [f"model{i}" for i in range(n)]
+
+
+def _inner_optimizers(optimizer) -> list:
+    """The megatron sub-optimizers (a ChainedOptimizer's parts, or the optimizer itself)."""
+    return [o for o in getattr(optimizer, "chained_optimizers", [optimizer]) if not getattr(o, "is_stub_optimizer", False)]
+
+
+def _is_torch_adam(opt) -> bool:
+    return isinstance(opt, (torch.optim.Adam, torch.optim.AdamW))
+
+
+def _prepare_optimizer_for_loading(optimizer) -> None:
+    """Give a fresh torch Adam inside megatron's DistributedOptimizer a state (zeros, step 0), so its
+    ``state_dict()`` works before loading (see the module doc); values are overwritten by the load."""
+    try:
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    except ImportError:  # pragma: no cover
+        return
+    for sub in _inner_optimizers(optimizer):
+        inner = getattr(sub, "optimizer", None)
+        if not isinstance(sub, DistributedOptimizer) or not _is_torch_adam(inner):
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if not inner.state[p]:
+                    st = {"step": torch.tensor(0.0, dtype=torch.float32),
+                          "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                          "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+                    if group.get("amsgrad"):
+                        st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    if group.get("capturable") or group.get("fused"):
+                        st["step"] = st["step"].to(p.device)
+                    inner.state[p] = st
+
+
+def _fix_shared_adam_steps(optimizer) -> None:
+    """One ``step`` tensor per parameter, with the value megatron restored into the param groups."""
+    for sub in _inner_optimizers(optimizer):
+        inner = getattr(sub, "optimizer", None)
+        if not _is_torch_adam(inner):
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                st = inner.state.get(p)
+                if not st or "step" not in st or not torch.is_tensor(st["step"]):
+                    continue
+                value = group["step"] if "step" in group else st["step"].item()
+                st["step"] = torch.tensor(float(value), dtype=st["step"].dtype, device=st["step"].device)
+
+
+def _optimizer_sharded_state_dict(optimizer, model_sd: dict, is_loading: bool, sharding: str):
+    return optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                        metadata={"distrib_optim_sharding_type": sharding})
+
+
+def _layout_info() -> dict:
+    info = {"world_size": _world()}
+    try:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            info.update(tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
+                        ep=ps.get_expert_model_parallel_world_size(),
+                        etp=ps.get_expert_tensor_parallel_world_size(), dp=ps.get_data_parallel_world_size())
+    except Exception:  # noqa: BLE001
+        pass
+    return info
+
+
+def _versions() -> dict:
+    out = {"torch": torch.__version__}
+    try:
+        from megatron.core import package_info
+
+        out["megatron_core"] = package_info.__version__
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        from megatron_grpo import __version__
+
+        out["megatron_grpo"] = __version__
+    except Exception:  # noqa: BLE001
+        pass
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# save
+# ------------------------------------------------------------------------------------------------
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _remove_dir(path: Path) -> None:
+    """Rename out of the way first (a half-deleted checkpoint never looks complete), then delete."""
+    trash = path.with_name(f"{_DEL_PREFIX}{path.name}-{os.getpid()}-{time.monotonic_ns()}")
+    try:
+        os.rename(path, trash)
+    except OSError:
+        trash = path
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _rotate(root: Path, keep_last: Optional[int], newest: Path) -> list[Path]:
+    """Delete complete checkpoints beyond the newest ``keep_last`` (never ``newest``), stale temp and
+    trash directories. Rank 0, after ``newest`` is complete and ``latest`` names it."""
+    removed = []
+    for p in root.iterdir():
+        if p.is_dir() and (p.name.startswith(_DEL_PREFIX) or p.name.startswith(_TMP_PREFIX)):
+            shutil.rmtree(p, ignore_errors=True)
+    if not keep_last or keep_last < 1:
+        return removed
+    others = [(s, p) for s, p in list_checkpoints(root.parent) if p.resolve() != newest.resolve()]
+    for _, p in others[:max(0, len(others) - (keep_last - 1))]:
+        _remove_dir(p)
+        removed.append(p)
+    return removed
+
+
+def save_checkpoint(run_dir: os.PathLike | str, step: int, model_chunks, optimizer, scheduler,
+                    extra_state: Any = None, *, keep_last: Optional[int] = 3,
+                    optimizer_sharding: str = DEFAULT_OPTIMIZER_SHARDING) -> Path:
+    """Save ``step`` (collective: every rank calls it); returns ``run_dir/checkpoints/step_N``.
+
+    ``model_chunks``: this rank's model chunks as the engine holds them (DDP-wrapped is fine);
+    ``optimizer``: the megatron optimizer; ``scheduler``: the ``OptimizerParamScheduler`` (or None);
+    ``extra_state``: this rank's picklable extra state (data position...), returned by
+    :func:`load_checkpoint`. ``keep_last``: complete checkpoints kept after this one is complete
+    (None or 0: all).
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    from megatron_grpo.guard import collective
+
+    step = int(step)
+    root = checkpoint_root(run_dir)
+    final = root / step_dirname(step)
+    tmp = root / f"{_TMP_PREFIX}{final.name}"
+    rank, world = _rank(), _world()
+    t0 = time.monotonic()
+
+    error = None
+    if rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        except BaseException as e:  # noqa: BLE001 - shared with the other ranks
+            error = CheckpointError(f"cannot create {tmp}: {e}")
+    _raise_if_any_failed(error, f"creating {tmp}")
+
+    error = None
+    with collective(f"save_checkpoint(step {step})"):
+        try:
+            chunks = _chunks(model_chunks)
+            sd: dict = {}
+            for key, chunk in zip(_model_keys(len(chunks)), chunks):
+                sd[key] = chunk.sharded_state_dict()
+            if optimizer is not None:
+                sd["optimizer"] = _optimizer_sharded_state_dict(optimizer, sd, False, optimizer_sharding)
+            sd["scheduler"] = scheduler.state_dict() if scheduler is not None else None
+            sd["mgrpo"] = {"format": CHECKPOINT_FORMAT, "step": step}
+            sd["rank_state"] = ShardedObject("mgrpo.rank_state", _pack({"rng": rng_state(), "extra": extra_state}),
+                                             (world,), (rank,), replica_id=0)
+            dist_checkpointing.save(sd, str(tmp))
+        except BaseException as e:  # noqa: BLE001
+            error = e
+    _raise_if_any_failed(error, f"saving step {step}")
+
+    error = None
+    if rank == 0:
+        try:
+            meta = {"format": CHECKPOINT_FORMAT, "step": step, "complete": True,
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "save_seconds": round(time.monotonic() - t0, 3),
+                    "layout": _layout_info(), "num_model_chunks": len(_chunks(model_chunks)),
+                    "optimizer": optimizer is not None, "optimizer_sharding": optimizer_sharding,
+                    "scheduler": scheduler is not None, "versions": _versions()}
+            _write_text_atomic(tmp / META_FILE, json.dumps(meta, indent=1) + "\n")
+            _fsync_dir(tmp)
+            if final.exists():  # a checkpoint of the same step from an earlier attempt
+                _remove_dir(final)
+            os.rename(tmp, final)
+            _fsync_dir(root)
+            _write_text_atomic(root / LATEST_FILE, final.name + "\n")
+            _fsync_dir(root)
+            for p in _rotate(root, keep_last, final):
+                log.info("removed old checkpoint %s (keep_last=%s)", p, keep_last)
+        except BaseException as e:  # noqa: BLE001
+            error = CheckpointError(f"finishing checkpoint {final}: {e}")
+    _raise_if_any_failed(error, f"finishing step {step}")
+    _barrier()
+    log.info("saved checkpoint %s in %.1f s", final, time.monotonic() - t0)
+    return final
+
+
+# ------------------------------------------------------------------------------------------------
+# load
+# ------------------------------------------------------------------------------------------------
+
+
+def load_checkpoint(run_dir: os.PathLike | str, model_chunks, optimizer, scheduler, *,
+                    path: Optional[os.PathLike | str] = None, load_optimizer: bool = True,
+                    load_rng: bool = True, strict: bool = True) -> tuple[int, Any]:
+    """Restore the latest complete checkpoint under ``run_dir`` (or ``path``); collective.
+
+    Returns ``(step, extra_state)`` -- resume at ``step + 1`` -- or ``(0, None)`` when there is no
+    checkpoint. ``load_optimizer=False`` loads weights only (optimizer and scheduler untouched).
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    from megatron_grpo.guard import collective
+
+    chosen = None
+    error = None
+    if _rank() == 0:
+        try:
+            chosen = str(path) if path is not None else find_latest_checkpoint(run_dir)
+            chosen = None if chosen is None else str(chosen)
+            if chosen is not None and _read_meta(Path(chosen)) is None:
+                raise CheckpointError(f"{chosen} is not a complete megatron-grpo checkpoint (no valid {META_FILE})")
+        except BaseException as e:  # noqa: BLE001
+            error = e
+    _raise_if_any_failed(error, "finding the checkpoint")
+    chosen = _broadcast_from_zero(chosen)
+    if chosen is None:
+        return 0, None
+    ckpt = Path(chosen)
+
+    error = None
+    result = (0, None)
+    with collective(f"load_checkpoint({ckpt.name})"):
+        try:
+            meta = _read_meta(ckpt)
+            if meta is None:
+                raise CheckpointError(f"{ckpt}: cannot read {META_FILE} on rank {_rank()} (shared file system?)")
+            chunks = _chunks(model_chunks)
+            if meta.get("num_model_chunks", 1) != len(chunks):
+                raise CheckpointError(f"{ckpt} holds {meta.get('num_model_chunks')} model chunk(s), this run has "
+                                      f"{len(chunks)} (virtual pipeline size must match)")
+            saved_world = int(meta["layout"]["world_size"])
+            same_world = saved_world == _world()
+            with_opt = load_optimizer and optimizer is not None and meta.get("optimizer", True)
+            if with_opt:
+                _prepare_optimizer_for_loading(optimizer)
+            sd: dict = {}
+            for key, chunk in zip(_model_keys(len(chunks)), chunks):
+                sd[key] = chunk.sharded_state_dict()
+            if with_opt:
+                sd["optimizer"] = _optimizer_sharded_state_dict(
+                    optimizer, sd, True, meta.get("optimizer_sharding", DEFAULT_OPTIMIZER_SHARDING))
+            if same_world:
+                sd["rank_state"] = ShardedObject("mgrpo.rank_state", None, (saved_world,), (_rank(),), replica_id=0)
+            else:  # request every saved shard (megatron checks the access pattern covers them), use rank 0's
+                for r in range(saved_world):
+                    sd[f"rank_state_{r}"] = ShardedObject("mgrpo.rank_state", None, (saved_world,), (r,),
+                                                          replica_id=0)
+            with torch.no_grad():
+                loaded = dist_checkpointing.load(sd, str(ckpt))
+                for key, chunk in zip(_model_keys(len(chunks)), chunks):
+                    chunk.load_state_dict(loaded[key], strict=strict)
+                if with_opt:
+                    optimizer.load_state_dict(loaded["optimizer"])
+                    _fix_shared_adam_steps(optimizer)
+            if with_opt and scheduler is not None and loaded.get("scheduler") is not None:
+                scheduler.num_steps = 0  # load_state_dict adds the saved count to the current one
+                scheduler.load_state_dict(loaded["scheduler"])
+            rank_state = _unpack(loaded["rank_state"] if same_world else loaded["rank_state_0"])
+            if load_rng:
+                if same_world:
+                    set_rng_state(rank_state["rng"])
+                elif _rank() == 0:
+                    _warn(f"{ckpt} was saved by {saved_world} ranks, this run has {_world()}: RNG states are not "
+                          "restored (the resumed run is not bit-identical) and every rank gets rank 0's extra state")
+            result = (int(loaded["mgrpo"]["step"]), rank_state["extra"])
+        except BaseException as e:  # noqa: BLE001
+            error = e
+    _raise_if_any_failed(error, f"loading {ckpt}")
+    log.info("resumed from %s (step %d)", ckpt, result[0])
+    return result
