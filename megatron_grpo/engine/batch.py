@@ -1,0 +1,244 @@
+"""Training micro-batches: a packed :class:`~megatron_grpo.packing.MicroBatch` plus what the step needs.
+
+Shapes: ``T`` tokens of the micro-batch (padding included), ``A`` audio clips of its samples,
+``M`` mel bins, ``F`` mel frames of all its clips concatenated.
+
+A :class:`TrainMicroBatch` holds, on the CPU until :meth:`TrainMicroBatch.to`:
+
+* the packed tokens (``input_ids_T``, ``loss_mask_T``, ``sample_index_T``, ``cu_seqlens_S``,
+  MRoPE positions) from the packer;
+* per-token float32 ``rollout_logprobs_T`` (vLLM's, token-aligned, 0 off the loss mask),
+  ``advantages_T`` (the sample's scalar on its tokens, 0 on padding), and, once computed,
+  ``old_logprobs_T`` / ``ref_logprobs_T`` (token-aligned, see ``engine.logprobs``);
+* the audio of its samples, in packing order then clip order: ``audio_features [M, F]`` and
+  ``audio_feature_lens [A]`` (``None`` when no sample has audio: the thinker then runs its tower on
+  a dummy clip, hang invariant 2).
+
+Features are computed per sample (by default each clip on its own, as vLLM featurised it for the
+rollout: ``megatron_grpo.data.features``), so a sample's features never depend on which samples
+share its micro-batch, and each clip's token count is checked against the sample's
+``audio_token_counts`` here, naming the sample, before anything reaches the model.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from megatron_grpo.packing import MicroBatch, PackingConfig, PackPlan, build_rank_microbatches, pack_per_token
+
+__all__ = ["TrainMicroBatch", "Featurizer", "build_train_microbatches", "featurizer_from_extractor",
+           "padding_summary"]
+
+Featurizer = Callable[[Sequence[np.ndarray]], tuple[torch.Tensor, torch.Tensor]]
+"""waveforms (16 kHz float mono, one per clip) -> (features [M, F_total], feature_lens [A])."""
+
+
+@dataclass(frozen=True)
+class TrainMicroBatch:
+    """One packed micro-batch of one DP rank with everything the forward and the loss need."""
+
+    mb: MicroBatch
+    """Packed tokens, mask, sample index, positions, ``cu_seqlens_S``."""
+    rollout_logprobs_T: torch.Tensor
+    """float32 [T]; the rollout server's logprob of each generated token, 0 elsewhere."""
+    advantages_T: torch.Tensor
+    """float32 [T]; the sample's advantage on each of its tokens, 0 on padding."""
+    audio_features: Optional[torch.Tensor] = None
+    """float32 [M, F]; the clips of the samples, in packing order; None without audio."""
+    audio_feature_lens: Optional[torch.Tensor] = None
+    """int64 [A]; frames of each clip."""
+    old_logprobs_T: Optional[torch.Tensor] = None
+    """float32 [T]; behaviour-policy logprobs from the trainer (``engine.forward.compute_logprobs``);
+    None means on-policy: the step uses its own logprobs, detached."""
+    ref_logprobs_T: Optional[torch.Tensor] = None
+    """float32 [T]; reference-policy logprobs for the KL term; None without KL."""
+
+    def __post_init__(self):
+        T = self.mb.num_tokens
+        for name in ("rollout_logprobs_T", "advantages_T", "old_logprobs_T", "ref_logprobs_T"):
+            x = getattr(self, name)
+            if x is not None and tuple(x.shape) != (T,):
+                raise ValueError(f"{name} must be [{T}] like the micro-batch's tokens, got {tuple(x.shape)}")
+        if (self.audio_features is None) != (self.audio_feature_lens is None):
+            raise ValueError("audio_features and audio_feature_lens go together (both or neither)")
+        if self.audio_features is not None:
+            if self.audio_features.dim() != 2:
+                raise ValueError(f"audio_features must be [mel, frames], got {tuple(self.audio_features.shape)}")
+            if self.audio_feature_lens.dim() != 1 or self.audio_feature_lens.numel() == 0:
+                raise ValueError(f"audio_feature_lens must be a non-empty [A], got "
+                                 f"{tuple(self.audio_feature_lens.shape)}")
+
+    # ---- views -------------------------------------------------------------------------------
+
+    @property
+    def input_ids_T(self) -> torch.Tensor:
+        return self.mb.input_ids_T
+
+    @property
+    def loss_mask_T(self) -> torch.Tensor:
+        return self.mb.loss_mask_T
+
+    @property
+    def sample_index_T(self) -> torch.Tensor:
+        return self.mb.sample_index_T
+
+    @property
+    def cu_seqlens_S(self) -> torch.Tensor:
+        return self.mb.cu_seqlens_S
+
+    @property
+    def sample_ids(self) -> tuple[int, ...]:
+        return self.mb.sample_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return self.mb.num_tokens
+
+    @property
+    def has_audio(self) -> bool:
+        return self.audio_features is not None
+
+    @property
+    def num_clips(self) -> int:
+        return 0 if self.audio_feature_lens is None else int(self.audio_feature_lens.numel())
+
+    @property
+    def is_padding(self) -> bool:
+        return self.mb.is_padding
+
+    def position_ids(self) -> torch.Tensor:
+        """int64 [3, 1, T] MRoPE positions (restarting per segment), the thinker's input layout."""
+        return self.mb.position_ids_3T.unsqueeze(1)
+
+    def packed_seq_params(self):
+        """megatron ``PackedSeqParams(qkv_format="thd")`` over ``cu_seqlens_S`` (padding is its own
+        trailing segment, so ``cu_seqlens_S[-1] == T`` and no ``*_padded`` offsets are needed)."""
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = self.mb.cu_seqlens_S
+        return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                               max_seqlen_q=self.mb.max_seqlen, max_seqlen_kv=self.mb.max_seqlen)
+
+    def with_logprobs(self, old_logprobs_T: Optional[torch.Tensor] = None,
+                      ref_logprobs_T: Optional[torch.Tensor] = None) -> "TrainMicroBatch":
+        """A copy with old / reference logprobs filled (None keeps the current value)."""
+        kw = {}
+        if old_logprobs_T is not None:
+            kw["old_logprobs_T"] = old_logprobs_T.detach().to(torch.float32)
+        if ref_logprobs_T is not None:
+            kw["ref_logprobs_T"] = ref_logprobs_T.detach().to(torch.float32)
+        return replace(self, **kw)
+
+    def to(self, device: Union[str, torch.device], non_blocking: bool = False) -> "TrainMicroBatch":
+        """The same micro-batch with every tensor on ``device``."""
+        mv = lambda x: None if x is None else x.to(device, non_blocking=non_blocking)  # noqa: E731
+        return replace(self, mb=self.mb.to(device, non_blocking=non_blocking),
+                       rollout_logprobs_T=mv(self.rollout_logprobs_T), advantages_T=mv(self.advantages_T),
+                       audio_features=mv(self.audio_features), audio_feature_lens=mv(self.audio_feature_lens),
+                       old_logprobs_T=mv(self.old_logprobs_T), ref_logprobs_T=mv(self.ref_logprobs_T))
+
+
+# --------------------------------------------------------------------------------------------
+# features
+# --------------------------------------------------------------------------------------------
+
+
+def featurizer_from_extractor(feature_extractor) -> Featurizer:
+    """A :data:`Featurizer` from the checkpoint's feature extractor (``WhisperFeatureExtractor``):
+    ``megatron_grpo.data.features.audio_features`` with its defaults (each clip on its own, padded
+    to the hop length: what vLLM gave the rollout)."""
+    from megatron_grpo.data.features import audio_features
+
+    return lambda waves: audio_features(feature_extractor, waves)
+
+
+# --------------------------------------------------------------------------------------------
+# building
+# --------------------------------------------------------------------------------------------
+
+
+def _sample_audio(i: int, traj, featurize: Optional[Featurizer], n_window: int):
+    """(features [M, F_i], lens [A_i]) of sample i, checked against its audio-token runs."""
+    from model_bridge.modeling.audio import audio_output_lengths
+
+    if featurize is None:
+        raise ValueError(f"sample {i} (prompt {traj.prompt_index}) has {len(traj.audios)} audio clip(s) but "
+                         "no featurizer was given: pass featurize= or feature_extractor=")
+    feats, lens = featurize(list(traj.audios))
+    feats = torch.as_tensor(feats, dtype=torch.float32)
+    lens = torch.as_tensor(lens, dtype=torch.long).reshape(-1)
+    if lens.numel() != len(traj.audios) or int(lens.sum()) != feats.shape[-1]:
+        raise ValueError(f"sample {i}: the featurizer returned {lens.numel()} lengths summing to {int(lens.sum())} "
+                         f"for {len(traj.audios)} clips and {feats.shape[-1]} frames")
+    if traj.audio_token_counts:
+        made = audio_output_lengths(lens, n_window).tolist()
+        if [int(n) for n in made] != [int(n) for n in traj.audio_token_counts]:
+            raise ValueError(f"sample {i} (prompt {traj.prompt_index}): its clips give {made} audio tokens "
+                             f"(frames {lens.tolist()}) but input_ids hold runs of {list(traj.audio_token_counts)} "
+                             "audio tokens; the rollout and the trainer disagree on the audio")
+    return feats, lens
+
+
+def build_train_microbatches(trajectories: Sequence, plan: PackPlan, dp_rank: int, config: PackingConfig, *,
+                             advantages_N: Optional[torch.Tensor] = None, featurize: Optional[Featurizer] = None,
+                             feature_extractor=None, n_window: int = 50,
+                             ref_logprobs_by_sample: Optional[Sequence[torch.Tensor]] = None
+                             ) -> list[TrainMicroBatch]:
+    """The :class:`TrainMicroBatch` list of DP rank ``dp_rank`` under ``plan``.
+
+    ``trajectories[i]`` is global sample i (``megatron_grpo.trajectory.Trajectory``; the same list
+    and order on every rank, as ``plan`` was made from their lengths). ``advantages_N`` (float
+    ``[N]``) defaults to each trajectory's ``advantage``. Audio features come from ``featurize``
+    or from ``feature_extractor`` (:func:`featurizer_from_extractor`); ``n_window`` is the audio
+    config's (for the token-count check). ``ref_logprobs_by_sample`` (token-aligned ``[L_i]``
+    each) fills ``ref_logprobs_T``.
+    """
+    n = len(trajectories)
+    if len(plan.lengths) != n or any(len(t.input_ids_T) != L for t, L in zip(trajectories, plan.lengths)):
+        raise ValueError(f"the plan was made for {len(plan.lengths)} samples with other lengths than these "
+                         f"{n} trajectories")
+    if featurize is None and feature_extractor is not None:
+        featurize = featurizer_from_extractor(feature_extractor)
+    if advantages_N is None:
+        advantages_N = torch.tensor([float(t.advantage) for t in trajectories], dtype=torch.float32)
+    advantages_N = torch.as_tensor(advantages_N, dtype=torch.float32).reshape(-1)
+    if advantages_N.shape[0] != n:
+        raise ValueError(f"advantages_N has {advantages_N.shape[0]} values for {n} samples")
+    ids = [torch.as_tensor(t.input_ids_T, dtype=torch.long) for t in trajectories]
+    masks = [torch.as_tensor(t.loss_mask_T, dtype=torch.bool) for t in trajectories]
+    mbs = build_rank_microbatches(plan, dp_rank, ids, masks, config)
+    rollout = [torch.as_tensor(t.rollout_logprobs_T, dtype=torch.float32) for t in trajectories]
+    refs = None
+    if ref_logprobs_by_sample is not None:
+        if len(ref_logprobs_by_sample) != n:
+            raise ValueError(f"ref_logprobs_by_sample has {len(ref_logprobs_by_sample)} entries for {n} samples")
+        refs = [torch.as_tensor(r, dtype=torch.float32) for r in ref_logprobs_by_sample]
+    out = []
+    for mb in mbs:
+        rollout_T = pack_per_token(mb, rollout)
+        sid = mb.sample_index_T
+        adv_T = torch.where(sid >= 0, advantages_N[sid.clamp(min=0)], torch.zeros(sid.shape, dtype=torch.float32))
+        ref_T = None if refs is None else pack_per_token(mb, refs).to(torch.float32)
+        feats, lens = [], []
+        for i in mb.sample_ids:
+            if trajectories[i].audios:
+                f, ln = _sample_audio(i, trajectories[i], featurize, n_window)
+                feats.append(f)
+                lens.append(ln)
+        out.append(TrainMicroBatch(
+            mb=mb, rollout_logprobs_T=rollout_T.to(torch.float32), advantages_T=adv_T,
+            audio_features=torch.cat(feats, dim=1) if feats else None,
+            audio_feature_lens=torch.cat(lens) if lens else None, ref_logprobs_T=ref_T))
+    return out
+
+
+def padding_summary(microbatches: Sequence[TrainMicroBatch]) -> dict[str, float]:
+    """Local counts for the step log: tokens computed, real tokens, loss tokens, samples, clips."""
+    return {"tokens_total": float(sum(m.num_tokens for m in microbatches)),
+            "tokens_real": float(sum(m.mb.num_real_tokens for m in microbatches)),
+            "tokens_loss": float(sum(int(m.loss_mask_T.sum()) for m in microbatches)),
+            "samples": float(sum(m.mb.num_samples for m in microbatches)),
+            "audio_clips": float(sum(m.num_clips for m in microbatches))}

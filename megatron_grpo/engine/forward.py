@@ -1,0 +1,143 @@
+"""Run packed micro-batches through megatron's schedule; no-grad logprobs for the old / reference policy.
+
+``run_schedule`` is the one place that calls megatron-core's ``get_forward_backward_func()``
+(no pipelining, or 1F1B under PP) with our forward step: each :class:`TrainMicroBatch` is moved to
+the device and fed to the thinker as ``input_ids [1, T]``, ``position_ids [3, 1, T]``, a THD
+``PackedSeqParams`` over its ``cu_seqlens_S`` and its audio (the thinker runs its dummy clip when
+there is none). On the last pipeline stage the logits ``[T, 1, Vp/tp]`` go to the given loss
+function; under a ``Float16Module`` they stay in bf16 (``fp32_output=False``): the logprob code
+upcasts chunk by chunk instead of a float32 ``[T, Vp/tp]`` copy.
+
+``compute_logprobs(model, microbatches, vocab_size=...)`` is the forward-only pass (eval mode,
+``torch.no_grad``) that gives the token-aligned logprobs (and entropy) of every micro-batch: the
+behaviour policy's before the first update of a step (needed for MIS and for several updates per
+rollout batch) or the reference policy's for the KL term. Results exist on the last pipeline stage
+only (``None`` on the others), which is where the loss needs them.
+"""
+from __future__ import annotations
+
+import inspect
+from functools import partial
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from .batch import TrainMicroBatch
+from .logprobs import DEFAULT_CHUNK_TOKENS, token_logprobs
+
+__all__ = ["run_schedule", "compute_logprobs", "fill_old_logprobs", "fill_ref_logprobs", "is_last_stage",
+           "model_device"]
+
+
+def is_last_stage() -> bool:
+    from megatron.core import parallel_state as ps
+
+    return ps.is_pipeline_last_stage(ignore_virtual=True)
+
+
+def model_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _as_chunks(model) -> list:
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def _forward_step(use_fp16_wrapper: bool, loss_for: Callable, data_iterator, model):
+    """megatron ``forward_step_func``: one micro-batch through this stage."""
+    tmb: TrainMicroBatch = next(data_iterator)
+    dev = model_device()
+    t = tmb.to(dev, non_blocking=True)
+    kw = dict(packed_seq_params=t.packed_seq_params(), audio_features=t.audio_features,
+              audio_feature_lens=t.audio_feature_lens)
+    if use_fp16_wrapper:
+        kw["fp32_output"] = False
+    out = model(t.input_ids_T.unsqueeze(0), t.position_ids(), **kw)
+    return out, partial(loss_for, t)
+
+
+def run_schedule(model, microbatches: Sequence[TrainMicroBatch], loss_for: Callable, *, forward_only: bool,
+                 force_all_reduce: bool = False) -> list:
+    """megatron's forward(-backward) schedule over ``microbatches``; returns the loss functions'
+    second outputs (last pipeline stage; ``[]`` elsewhere).
+
+    ``loss_for(tmb_on_device, output_tensor) -> (loss, data)``: the loss handed to megatron (which
+    divides it by the number of micro-batches; DDP then averages over DP) and what to collect.
+    ``force_all_reduce`` (training only) all-reduces the gradients instead of reduce-scattering
+    them, so every DP rank holds the full gradient (tests).
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from .setup import has_float16_wrapper
+
+    from megatron.core.utils import get_model_config
+
+    chunks = _as_chunks(model)
+    if len(chunks) != 1:
+        raise NotImplementedError("virtual pipeline stages (several model chunks) are not supported")
+    if not microbatches:
+        return []
+    get_model_config(chunks[0]).variable_seq_lengths = True  # packed micro-batches differ in T
+    fb = get_forward_backward_func()
+    kw = dict(forward_step_func=partial(_forward_step, has_float16_wrapper(chunks[0]), loss_for),
+              data_iterator=iter(list(microbatches)), model=chunks, num_microbatches=len(microbatches),
+              seq_length=max(m.num_tokens for m in microbatches), micro_batch_size=1, forward_only=forward_only)
+    if force_all_reduce:
+        if "force_all_reduce" not in inspect.signature(fb).parameters:
+            raise NotImplementedError("this megatron-core's schedule has no force_all_reduce")
+        kw["force_all_reduce"] = True
+    return fb(**kw)
+
+
+def _logprob_loss(vocab_size: int, chunk_size: int, with_entropy: bool, only_loss_tokens: bool,
+                  tmb: TrainMicroBatch, output: torch.Tensor):
+    lp_T, ent_T = token_logprobs(output, tmb.input_ids_T, tmb.cu_seqlens_S, vocab_size=vocab_size,
+                                 token_mask_T=tmb.loss_mask_T if only_loss_tokens else None,
+                                 chunk_size=chunk_size, with_entropy=with_entropy)
+    data = {"logprobs_T": lp_T.detach().cpu()}
+    if ent_T is not None:
+        data["entropy_T"] = ent_T.detach().cpu()
+    return torch.zeros((), device=output.device, dtype=torch.float32), data
+
+
+@torch.no_grad()
+def compute_logprobs(model, microbatches: Sequence[TrainMicroBatch], *, vocab_size: int,
+                     with_entropy: bool = False, chunk_size: int = DEFAULT_CHUNK_TOKENS,
+                     only_loss_tokens: bool = True) -> list[Optional[dict]]:
+    """Per micro-batch ``{"logprobs_T": float32 [T] (CPU), "entropy_T": ...}`` on the last pipeline
+    stage, ``None`` on the others. Token-aligned (``engine.logprobs``); with ``only_loss_tokens``
+    only the loss-mask tokens are scored (others 0). Collective over the model-parallel and
+    pipeline groups: every rank of the model calls it with its own (equally many) micro-batches.
+    The model is put in eval mode for the pass and restored afterwards.
+    """
+    chunks = _as_chunks(model)
+    modes = [m.training for m in chunks]
+    for m in chunks:
+        m.eval()
+    try:
+        data = run_schedule(chunks, microbatches,
+                            partial(_logprob_loss, vocab_size, chunk_size, with_entropy, only_loss_tokens),
+                            forward_only=True)
+    finally:
+        for m, mode in zip(chunks, modes):
+            m.train(mode)
+    if not is_last_stage():
+        return [None] * len(microbatches)
+    if len(data) != len(microbatches):
+        raise RuntimeError(f"the schedule returned {len(data)} results for {len(microbatches)} micro-batches")
+    return list(data)
+
+
+def fill_old_logprobs(model, microbatches: Sequence[TrainMicroBatch], *, vocab_size: int,
+                      chunk_size: int = DEFAULT_CHUNK_TOKENS) -> list[TrainMicroBatch]:
+    """``microbatches`` with ``old_logprobs_T`` from ``model`` (the current policy, before updating).
+    Off the last pipeline stage they come back unchanged (the loss runs on the last stage)."""
+    res = compute_logprobs(model, microbatches, vocab_size=vocab_size, chunk_size=chunk_size)
+    return [m if r is None else m.with_logprobs(old_logprobs_T=r["logprobs_T"]) for m, r in zip(microbatches, res)]
+
+
+def fill_ref_logprobs(ref_model, microbatches: Sequence[TrainMicroBatch], *, vocab_size: int,
+                      chunk_size: int = DEFAULT_CHUNK_TOKENS) -> list[TrainMicroBatch]:
+    """``microbatches`` with ``ref_logprobs_T`` from the frozen reference ``ref_model``."""
+    res = compute_logprobs(ref_model, microbatches, vocab_size=vocab_size, chunk_size=chunk_size)
+    return [m if r is None else m.with_logprobs(ref_logprobs_T=r["logprobs_T"]) for m, r in zip(microbatches, res)]

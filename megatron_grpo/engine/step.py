@@ -1,0 +1,413 @@
+"""One GRPO training step: megatron's schedule over the packed micro-batches, then a guarded update.
+
+``train_step(engine, microbatches, config)`` on every rank, with this rank's
+:class:`~megatron_grpo.engine.batch.TrainMicroBatch` list (the same count on every rank, hang
+invariant 1), does:
+
+1. **Agree** (one all-reduce over the world): every rank has the same number of micro-batches and
+   none found a local problem (e.g. a KL term without reference logprobs); otherwise every rank
+   raises, naming the counts / the failing rank. (The full schedule comparison and the watchdog
+   are ``megatron_grpo.guard``'s.)
+2. **Old logprobs for MIS**: masked IS must know which tokens it rejects before the normalisers
+   are counted, so with ``importance.mode == "mis"`` and a micro-batch without ``old_logprobs_T``
+   (on the last stage, where they live) a forward-only pass fills them all first
+   (``engine.forward.fill_old_logprobs``); the decision travels in step 1's all-reduce, so every
+   pipeline stage runs that pass.
+3. **Global normalisers** (last pipeline stage, all-reduced SUM over DP, then shared over PP):
+   ``global_num_tokens`` = loss tokens kept by IS, ``global_num_samples`` = samples with at least
+   one kept loss token, over all micro-batches of all DP ranks. A step with none raises on every
+   rank.
+4. **Forward/backward** with ``get_forward_backward_func()`` (TP/SP, EP alltoall, PP 1F1B, DP).
+   Per micro-batch, the loss is ``megatron_grpo.algo.losses.policy_loss`` of the token-aligned
+   logprobs (``engine.logprobs``, vocab-parallel, chunked) with TIS/MIS weights from
+   ``megatron_grpo.algo.importance`` between the behaviour policy (``old_logprobs_T``, or the
+   step's own logprobs detached when absent: on-policy) and the rollout logprobs.
+
+   Loss scaling: each micro-batch's loss is its exact *share* of the step loss (global
+   normalisers), so the step loss is the SUM over micro-batches and DP ranks. megatron divides a
+   returned loss by the number of micro-batches ``M`` and its DDP averages gradients over the DP
+   group (``1/dp``); the loss handed to megatron is therefore ``share * M * dp``, and the reduced
+   gradient is exactly the gradient of the step loss.
+
+   MoE load-balancing loss: megatron's router adds it through ``MoEAuxLossAutoScaler``, whose
+   gradient scale the schedule sets to ``1/M`` (then DDP's ``1/dp``): the gradient holds
+   ``moe_aux_loss_coeff * mean over micro-batches and DP ranks of each micro-batch's aux loss``,
+   megatron's usual semantics. The aux loss sees the padding tokens of a micro-batch too.
+5. **Update** (``optimizer_update``): megatron's ``prepare_grads`` (fp16: unscale + inf check), the
+   global grad norm (identical on all ranks), a world all-reduce of the "non-finite" flag; a bad
+   step skips the update (no optimizer or LR-schedule step), is reported (``skipped = 1``) and after
+   ``max_consecutive_skips`` bad steps in a row raises :class:`NonFiniteGradError` on every rank;
+   a good one clips to ``clip_grad`` by the global norm, steps Adam and the LR schedule.
+
+Returned metrics (Python floats, identical on every rank): the loss metrics of
+``algo.losses`` (``loss``, ``pg_loss``, ``clip_frac*``, ``ratio_*``, ``entropy``, ``kl``...) and of
+``algo.importance`` (``mismatch_kl_k1/k3``, ``is_ratio_*``, ``is_truncated_frac`` /
+``is_masked_frac``), reduced over micro-batches and DP ranks; ``grad_norm`` (before clipping),
+``lr`` (of this update), ``skipped``, ``consecutive_skips``, ``num_microbatches``,
+``total_skips``, ``global_num_tokens``, ``global_num_samples``, ``loss_tokens`` (before MIS),
+``samples``, ``tokens_total``, ``tokens_real``, ``padding_fraction`` (padding over all computed
+tokens of the step, empty micro-batches included), ``empty_microbatches``, ``audio_clips``, and
+``moe_load_balancing_loss`` (mean over layers and micro-batches, when the aux loss is on).
+"""
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from megatron_grpo.algo.importance import ISConfig, importance_weights
+from megatron_grpo.algo.losses import LossConfig, metric_reduce_op, policy_loss, reduce_metrics
+
+from .batch import TrainMicroBatch
+from .forward import fill_old_logprobs, is_last_stage, model_device, run_schedule
+from .logprobs import DEFAULT_CHUNK_TOKENS, token_logprobs
+
+__all__ = ["StepConfig", "NonFiniteGradError", "NonFiniteGuard", "forward_backward", "optimizer_update",
+           "train_step", "StepError"]
+
+
+class StepError(RuntimeError):
+    """The ranks cannot run this step (count mismatch, a rank's bad input); raised on every rank."""
+
+
+class NonFiniteGradError(RuntimeError):
+    """Too many consecutive steps with non-finite gradients; raised on every rank."""
+
+
+@dataclass(frozen=True)
+class StepConfig:
+    """What one training step computes (the optimizer's settings are ``setup.OptimConfig``)."""
+
+    loss: LossConfig = field(default_factory=LossConfig)
+    """Policy loss variant and coefficients (``algo.losses``)."""
+    importance: ISConfig = field(default_factory=ISConfig)
+    """Rollout correction between the rollout server's and the trainer's behaviour logprobs."""
+    max_consecutive_skips: int = 3
+    """Raise NonFiniteGradError after this many updates in a row skipped for non-finite grads."""
+    logprob_chunk_size: int = DEFAULT_CHUNK_TOKENS
+    """Tokens per chunk of the vocab-parallel log-softmax (bounds its float32 memory)."""
+    compute_entropy: bool = True
+    """Compute per-token entropy for the metrics (always on when ``loss.entropy_coef > 0``)."""
+
+    def __post_init__(self):
+        if int(self.max_consecutive_skips) != self.max_consecutive_skips or self.max_consecutive_skips < 1:
+            raise ValueError("StepConfig.max_consecutive_skips must be an int >= 1, got "
+                             f"{self.max_consecutive_skips!r}")
+        if int(self.logprob_chunk_size) != self.logprob_chunk_size or self.logprob_chunk_size < 1:
+            raise ValueError(f"StepConfig.logprob_chunk_size must be an int >= 1, got {self.logprob_chunk_size!r}")
+
+    @property
+    def with_entropy(self) -> bool:
+        return self.compute_entropy or self.loss.entropy_coef > 0
+
+
+class NonFiniteGuard:
+    """Counts consecutive skipped updates; raises after ``max_consecutive`` of them."""
+
+    def __init__(self, max_consecutive: int = 3):
+        self.max_consecutive = int(max_consecutive)
+        self.consecutive = 0
+        self.total = 0
+
+    def record(self, skipped: bool, grad_norm: float, step: Optional[int] = None) -> None:
+        if not skipped:
+            self.consecutive = 0
+            return
+        self.consecutive += 1
+        self.total += 1
+        if self.consecutive >= self.max_consecutive:
+            where = "" if step is None else f" (at step {step})"
+            raise NonFiniteGradError(
+                f"{self.consecutive} consecutive training steps had non-finite gradients (grad norm {grad_norm}); "
+                f"the update was skipped each time and the run stops{where}. Lower the LR, check the rewards / "
+                f"advantages for NaN, or raise StepConfig.max_consecutive_skips (now {self.max_consecutive})")
+
+    def state_dict(self) -> dict:
+        return {"consecutive": self.consecutive, "total": self.total}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consecutive = int(state.get("consecutive", 0))
+        self.total = int(state.get("total", 0))
+
+
+# --------------------------------------------------------------------------------------------
+# collectives
+# --------------------------------------------------------------------------------------------
+
+
+def _dist() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _coll_device() -> torch.device:
+    return model_device() if _dist() and dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _agree(local_error: Optional[str], num_microbatches: int, flag: bool = False) -> bool:
+    """World all-reduce: same micro-batch count everywhere and no rank with a local error (else
+    every rank raises StepError). Returns ``flag`` OR-ed over all ranks."""
+    if not _dist():
+        if local_error:
+            raise StepError(local_error)
+        return flag
+    world, rank = dist.get_world_size(), dist.get_rank()
+    t = torch.tensor([1 if local_error else 0, num_microbatches, -num_microbatches, int(flag)], dtype=torch.int64,
+                     device=_coll_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    failed, hi, lo = int(t[0]), int(t[1]), -int(t[2])
+    if not failed and hi == lo:
+        return bool(int(t[3]))
+    counts = [None] * world
+    dist.all_gather_object(counts, (num_microbatches, local_error))
+    if hi != lo:
+        per = {r: c[0] for r, c in enumerate(counts)}
+        raise StepError(f"ranks disagree on the number of micro-batches of this step ({per}); every rank must run "
+                        "the same count (pack with packing.plan_step, or equalize_microbatch_counts + "
+                        "pad_microbatches)")
+    bad = [(r, c[1]) for r, c in enumerate(counts) if c[1]]
+    if local_error:
+        raise StepError(f"rank {rank}: {local_error}")
+    raise StepError(f"rank {bad[0][0]} cannot run this step ({len(bad)} rank(s) failed): {bad[0][1]}")
+
+
+def _reduce_last_stage_dp_then_share(values: torch.Tensor) -> torch.Tensor:
+    """SUM over the DP group on the last pipeline stage, then the same values on every stage."""
+    from megatron.core import parallel_state as ps
+
+    if not _dist():
+        return values
+    values = values.to(_coll_device())
+    if is_last_stage():
+        dist.all_reduce(values, group=ps.get_data_parallel_group())
+    else:
+        values.zero_()
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.all_reduce(values, group=ps.get_pipeline_model_parallel_group())
+    return values.cpu()
+
+
+def _reduce_metrics_dp_pp(local: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Metrics of the last stage reduced over DP by their op, then broadcast to all stages."""
+    from megatron.core import parallel_state as ps
+
+    out: dict[str, float] = {}
+    if is_last_stage():
+        keys = sorted(local)
+        dev = _coll_device()
+        for op_name, op in (("sum", "SUM"), ("max", "MAX"), ("min", "MIN")):
+            ks = [k for k in keys if metric_reduce_op(k) == op_name]
+            if not ks:
+                continue
+            vec = torch.stack([local[k].detach().to(torch.float64).reshape(()) for k in ks]).to(dev)
+            if _dist() and ps.get_data_parallel_world_size() > 1:
+                dist.all_reduce(vec, op=getattr(dist.ReduceOp, op), group=ps.get_data_parallel_group())
+            out.update({k: float(v) for k, v in zip(ks, vec.cpu().tolist())})
+    if _dist() and ps.get_pipeline_model_parallel_world_size() > 1:
+        box = [out]
+        src = ps.get_pipeline_model_parallel_last_rank()
+        kw = {"device": _coll_device()} if _coll_device().type == "cuda" else {}
+        dist.broadcast_object_list(box, src=src, group=ps.get_pipeline_model_parallel_group(), **kw)
+        out = box[0]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# the step
+# --------------------------------------------------------------------------------------------
+
+
+def _validate(engine, microbatches: Sequence[TrainMicroBatch], config: StepConfig) -> Optional[str]:
+    """A local problem that would make only this rank fail inside the schedule (message), or None."""
+    layout = engine.layout
+    for k, m in enumerate(microbatches):
+        if layout.sequence_parallel and m.num_tokens % layout.tp:
+            return (f"micro-batch {k} has {m.num_tokens} tokens, not a multiple of tp={layout.tp} (sequence "
+                    f"parallelism): pack with PackingConfig(pad_multiple={layout.tp})")
+        if is_last_stage() and config.loss.kl_coef > 0 and m.ref_logprobs_T is None:
+            return (f"micro-batch {k} has no ref_logprobs_T but loss.kl_coef={config.loss.kl_coef} > 0: fill them "
+                    "with engine.forward.fill_ref_logprobs(ref_model, microbatches, ...)")
+    return None
+
+
+def _keep_masks(microbatches: Sequence[TrainMicroBatch], config: StepConfig) -> list[torch.Tensor]:
+    """Loss tokens that stay in the loss: all of them, or (MIS) those IS does not reject."""
+    out = []
+    for m in microbatches:
+        mask = m.loss_mask_T.to(torch.bool)
+        if config.importance.mode == "mis":
+            res = importance_weights(m.old_logprobs_T, m.rollout_logprobs_T, mask, m.sample_index_T,
+                                     config=config.importance)
+            mask = res.keep_mask_T
+        out.append(mask)
+    return out
+
+
+def _count_samples(keep_T: torch.Tensor, sample_index_T: torch.Tensor) -> int:
+    ids = sample_index_T[keep_T & (sample_index_T >= 0)]
+    return int(torch.unique(ids).numel())
+
+
+def _loss_for(vocab_size: int, config: StepConfig, norms: dict, scale: float, tmb: TrainMicroBatch,
+              output: torch.Tensor):
+    """The loss megatron backpropagates for one micro-batch (``share * M * dp``) and its metrics."""
+    mask_T = tmb.loss_mask_T.to(torch.bool)
+    lp_T, ent_T = token_logprobs(output, tmb.input_ids_T, tmb.cu_seqlens_S, vocab_size=vocab_size,
+                                 token_mask_T=mask_T, chunk_size=config.logprob_chunk_size,
+                                 with_entropy=config.with_entropy)
+    old_T = tmb.old_logprobs_T if tmb.old_logprobs_T is not None else lp_T.detach()
+    isr = importance_weights(old_T, tmb.rollout_logprobs_T, mask_T, tmb.sample_index_T, config=config.importance,
+                             global_num_tokens=norms["loss_tokens"], global_num_samples=norms["loss_samples"])
+    loss, metrics = policy_loss(lp_T, old_T, tmb.advantages_T, isr.keep_mask_T, tmb.sample_index_T,
+                                config=config.loss, global_num_tokens=norms["tokens"],
+                                global_num_samples=norms["samples"], ref_logprobs_T=tmb.ref_logprobs_T,
+                                is_weights_T=isr.weights_T, entropy_T=ent_T)
+    metrics.update(isr.metrics)
+    return loss * scale, metrics
+
+
+def _moe_aux_metric(num_microbatches: int) -> dict[str, float]:
+    """megatron's MoE aux-loss tracker, reduced across ranks its own way, then cleared."""
+    try:
+        from megatron.core.transformer.moe import moe_utils
+    except ImportError:  # pragma: no cover
+        return {}
+    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+    out = {}
+    if "load_balancing_loss" in tracker and _dist():
+        moe_utils.reduce_aux_losses_tracker_across_ranks(["load_balancing_loss"])
+        values = tracker["load_balancing_loss"]["values"]
+        out["moe_load_balancing_loss"] = float(values.float().mean()) / max(1, num_microbatches)
+    moe_utils.clear_aux_losses_tracker()
+    return out
+
+
+def forward_backward(engine, microbatches: Sequence[TrainMicroBatch], config: StepConfig, *,
+                     force_all_reduce: bool = False) -> dict[str, float]:
+    """Steps 1-4 of the module doc: gradients of the step loss end up reduced in the DDP buffers
+    (``param.main_grad``; with the distributed optimizer each DP rank holds its shard reduced, or
+    everything with ``force_all_reduce``). Does not zero the grads first (``train_step`` does)."""
+    from megatron.core import parallel_state as ps
+
+    microbatches = list(microbatches)
+    M = len(microbatches)
+    # MIS needs the behaviour logprobs before counting; only the last stage holds them, so every
+    # rank learns from the same all-reduce whether the extra forward pass runs (else PP would hang)
+    missing_old = config.importance.mode == "mis" and is_last_stage() and \
+        any(m.old_logprobs_T is None for m in microbatches)
+    need_old = _agree(_validate(engine, microbatches, config), M, missing_old)
+    if M == 0:
+        raise StepError("this step has no micro-batches on any rank: nothing to train")
+    if need_old:
+        microbatches = fill_old_logprobs(engine.model, microbatches, vocab_size=engine.spec.text.vocab_size,
+                                         chunk_size=config.logprob_chunk_size)
+
+    # global normalisers and step counts (the last stage counts; every stage learns them)
+    counts = torch.zeros(9, dtype=torch.float64)
+    if is_last_stage():
+        keeps = _keep_masks(microbatches, config)
+        counts[0] = float(sum(int(k.sum()) for k in keeps))
+        counts[1] = float(sum(_count_samples(k, m.sample_index_T) for k, m in zip(keeps, microbatches)))
+        counts[2] = float(sum(int(m.loss_mask_T.sum()) for m in microbatches))
+        counts[3] = float(sum(_count_samples(m.loss_mask_T.bool(), m.sample_index_T) for m in microbatches))
+        counts[4] = float(sum(m.num_tokens for m in microbatches))
+        counts[5] = float(sum(m.mb.num_real_tokens for m in microbatches))
+        counts[6] = float(sum(m.num_clips for m in microbatches))
+        counts[7] = float(sum(m.mb.num_samples for m in microbatches))
+        counts[8] = float(sum(1 for m in microbatches if m.is_padding))
+    counts = _reduce_last_stage_dp_then_share(counts)
+    norms = {"tokens": float(counts[0]), "samples": float(counts[1]), "loss_tokens": float(counts[2]),
+             "loss_samples": float(counts[3])}
+    if norms["tokens"] <= 0 or norms["samples"] <= 0:
+        raise StepError(f"no loss token in this step on any rank (loss tokens {int(counts[2])}, kept by IS "
+                        f"{int(counts[0])}): nothing to train")
+
+    dp = ps.get_data_parallel_world_size(with_context_parallel=True)
+    scale = float(M * dp)
+    try:
+        from megatron.core.transformer.moe import moe_utils
+
+        moe_utils.clear_aux_losses_tracker()
+    except ImportError:  # pragma: no cover
+        pass
+    collected = run_schedule(engine.model, microbatches,
+                             partial(_loss_for, engine.spec.text.vocab_size, config, norms, scale),
+                             forward_only=False, force_all_reduce=force_all_reduce)
+    local = reduce_metrics(collected) if collected else {}
+    metrics = _reduce_metrics_dp_pp(local)
+    metrics.update(_moe_aux_metric(M))
+    metrics.update(num_microbatches=float(M), global_num_tokens=norms["tokens"], global_num_samples=norms["samples"],
+                   loss_tokens=norms["loss_tokens"], tokens_total=float(counts[4]), tokens_real=float(counts[5]),
+                   padding_fraction=1.0 - float(counts[5]) / float(counts[4]) if counts[4] > 0 else 0.0,
+                   audio_clips=float(counts[6]), samples=float(counts[7]), empty_microbatches=float(counts[8]))
+    return metrics
+
+
+def _clip(optimizer, grad_norm: float) -> None:
+    """Clip every sub-optimizer's grads by the global norm (what megatron's ChainedOptimizer.step does)."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    has_decoupled = "use_decoupled_grad" in inspect.signature(clip_grad_by_total_norm_fp32).parameters
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if getattr(opt, "is_stub_optimizer", False):
+            continue
+        params = opt.get_parameters()
+        if not params or opt.config.clip_grad <= 0.0:
+            continue
+        kw = {}
+        if has_decoupled:
+            kw["use_decoupled_grad"] = bool(getattr(opt.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8",
+                                                    False))
+        clip_grad_by_total_norm_fp32(params, max_norm=opt.config.clip_grad, total_norm=grad_norm, **kw)
+
+
+def _current_lr(optimizer) -> float:
+    groups = optimizer.param_groups
+    return float(groups[0]["lr"]) if groups else float("nan")
+
+
+def optimizer_update(engine, guard: Optional[NonFiniteGuard] = None, step: Optional[int] = None) -> dict[str, float]:
+    """Step 5 of the module doc. Collective (every rank). Returns ``grad_norm``, ``lr``, ``skipped``,
+    ``consecutive_skips``; raises NonFiniteGradError after too many skips in a row."""
+    opt = engine.optimizer
+    found_inf = bool(opt.prepare_grads())
+    grad_norm = opt.get_grad_norm()
+    grad_norm = float("nan") if grad_norm is None else float(grad_norm)
+    bad = found_inf or not math.isfinite(grad_norm)
+    if _dist():
+        flag = torch.tensor([1 if bad else 0], dtype=torch.int32, device=_coll_device())
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        bad = bool(int(flag.item()))
+    lr = _current_lr(opt)
+    if guard is None:
+        guard = engine.extra.setdefault("nonfinite_guard", NonFiniteGuard())
+    if not bad:
+        if engine.optim.clip_grad > 0:
+            _clip(opt, grad_norm)
+        opt.step_with_ready_grads()
+        engine.scheduler.step(1)
+    try:
+        guard.record(bad, grad_norm, step)
+    finally:
+        engine.extra["last_update"] = {"skipped": bad, "grad_norm": grad_norm}
+    return {"grad_norm": grad_norm, "lr": lr, "skipped": float(bad), "consecutive_skips": float(guard.consecutive),
+            "total_skips": float(guard.total)}
+
+
+def train_step(engine, microbatches: Sequence[TrainMicroBatch], config: StepConfig, *,
+               guard: Optional[NonFiniteGuard] = None, step: Optional[int] = None) -> dict[str, float]:
+    """Zero the grads, :func:`forward_backward`, :func:`optimizer_update`; the merged metrics."""
+    for m in engine.model:
+        m.zero_grad_buffer()
+    engine.optimizer.zero_grad()
+    if guard is None:
+        guard = engine.extra.get("nonfinite_guard")
+        if guard is None or guard.max_consecutive != config.max_consecutive_skips:
+            guard = engine.extra["nonfinite_guard"] = NonFiniteGuard(config.max_consecutive_skips)
+    metrics = forward_backward(engine, microbatches, config)
+    metrics.update(optimizer_update(engine, guard, step))
+    return metrics
