@@ -5,6 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 MGRPO_CACHE ?= $(HOME)/.cache/megatron-grpo
 PYTEST_ARGS ?=
+DEMO_ARGS ?=
 
 .PHONY: demo test install
 
@@ -12,7 +13,7 @@ install:
 	@VENV=$(VENV) bash scripts/install.sh
 
 demo: install
-	@MGRPO_CACHE=$(MGRPO_CACHE) bash scripts/demo.sh
+	@MGRPO_CACHE=$(MGRPO_CACHE) bash scripts/demo.sh $(DEMO_ARGS)
 
 test: install
 	@HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 $(PY) -m pytest -ra --durations=15 \

@@ -60,6 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     from megatron_grpo.rollout.serve_cli import add_serve_parser  # argparse only: vLLM loads in `run_serve`
 
     add_serve_parser(sub)
+
+    from megatron_grpo.train_cli import add_train_parser
+
+    add_train_parser(sub)
     return p
 
 

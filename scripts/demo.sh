@@ -1,19 +1,26 @@
 #!/bin/bash
-# `make demo`: until `mgrpo train` lands, build what exists — the tiny Qwen3-Omni checkpoint and
-# the synthetic audio-agent data — into the cache dir and print what was made.
+# `make demo`: the main job on the embedded default — GRPO of a tiny Qwen3-Omni audio agent on
+# synthetic audio data, rolled out by a real vLLM CPU server, trained by 2 Megatron ranks (TP2).
+# Inputs are built into $MGRPO_CACHE on first use; outputs go to $RUN_DIR (default runs/demo).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-CACHE=${MGRPO_CACHE:-$HOME/.cache/megatron-grpo}
+export MGRPO_CACHE=${MGRPO_CACHE:-$HOME/.cache/megatron-grpo}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-MGRPO=.venv/bin/mgrpo
+RUN_DIR=${RUN_DIR:-runs/demo}
+rm -rf "$RUN_DIR"
 t0=$(date +%s)
-$MGRPO make-tiny --out "$CACHE/tiny-omni"
-$MGRPO make-data --out "$CACHE/audio-agent-data"
+.venv/bin/mgrpo train trainer.run_dir="$RUN_DIR" "$@"
 echo
-echo "== demo output (in $(( $(date +%s) - t0 )) s) =="
-echo "checkpoint: $CACHE/tiny-omni"
-ls -l "$CACHE/tiny-omni" | sed 's/^/  /'
-echo "data:       $CACHE/audio-agent-data"
-ls -l "$CACHE/audio-agent-data" | sed 's/^/  /'
-echo "first train row:"
-head -n 1 "$CACHE/audio-agent-data/train.jsonl" | cut -c1-400 | sed 's/^/  /'
+echo "== demo finished in $(( $(date +%s) - t0 )) s =="
+.venv/bin/python - "$RUN_DIR" <<'PY'
+import json, sys
+from pathlib import Path
+run = Path(sys.argv[1])
+m = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+print(f"reward: step 1 {m[0]['reward/mean']:.3f} -> step {m[-1]['step']} {m[-1]['reward/mean']:.3f}")
+avg = lambda k: sum(x[k] for x in m) / len(m)
+print(f"mean step {avg('time/step'):.1f} s = rollout {avg('time/rollout'):.1f} + train {avg('time/train'):.1f}"
+      f" + push {avg('time/push'):.2f}")
+print(f"run dir:     {run}/  (metrics.jsonl, curves.png, tensorboard/, checkpoints/, vllm-server.log)")
+print(f"curves:      {run}/curves.png")
+PY

@@ -7,7 +7,7 @@ import difflib
 import math
 import os
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional
+from typing import Literal, Any, Optional
 
 __all__ = ["RolloutConfig", "ON_ERROR_CHOICES"]
 
@@ -27,6 +27,10 @@ class RolloutConfig:
     """The rollout section of the run config (docs/rollout.md)."""
 
     # ------------------------------------------------------------------ servers and transport
+    server: Literal["local", "remote"] = "local"
+    """"local": `mgrpo train` starts a vLLM server itself (`mgrpo serve` on this machine, settings
+    in the ``serve`` section) and stops it at exit; ``server_urls`` is then ignored. "remote":
+    connect to the running servers in ``server_urls``."""
     server_urls: list = field(default_factory=lambda: ["http://127.0.0.1:8000"])
     """Base URLs of the vLLM servers (`mgrpo serve`), e.g. ``["http://10.0.0.5:8000", ...]``.
     Requests go to the least-loaded one (fewest requests in flight); a conversation prefers the

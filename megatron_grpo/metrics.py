@@ -1,0 +1,73 @@
+"""Run-directory outputs of `mgrpo train`: metrics.jsonl, TensorBoard events, curves.png.
+
+Only the logging rank (global rank 0) creates one of these. Every step appends one JSON line
+(`{"step": N, "time": ..., <metric>: value, ...}`), writes the same scalars to TensorBoard, and
+redraws `curves.png` (reward and loss against step) so a user can watch learning happen.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+PLOTTED = (("reward/mean", "reward (mean over samples)"), ("loss", "policy loss"))
+
+
+class MetricsLogger:
+    """Appends per-step metrics to run_dir/metrics.jsonl (+ TensorBoard, + curves.png)."""
+
+    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, plot: bool = True):
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.run_dir / "metrics.jsonl"
+        self.plot_path = self.run_dir / "curves.png" if plot else None
+        self.history: list[dict] = []
+        if self.path.exists():  # a resumed run keeps its history (entries up to the resume step)
+            self.history = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"))
+
+    def truncate_after(self, step: int) -> None:
+        """Drop entries after `step` (a resume replays those steps)."""
+        self.history = [h for h in self.history if h["step"] <= step]
+        self.path.write_text("".join(json.dumps(h) + "\n" for h in self.history))
+
+    def log(self, step: int, metrics: dict) -> None:
+        row = {"step": int(step), "time": round(time.time(), 3)}
+        row.update({k: (float(v) if isinstance(v, (int, float)) else v) for k, v in sorted(metrics.items())})
+        self.history.append(row)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.tb is not None:
+            for k, v in row.items():
+                if k not in ("step", "time") and isinstance(v, float) and math.isfinite(v):
+                    self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+        if self.plot_path is not None:
+            self.plot()
+
+    def plot(self) -> None:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, len(PLOTTED), figsize=(5 * len(PLOTTED), 3.5))
+        for ax, (key, title) in zip(axes, PLOTTED):
+            pts = [(h["step"], h[key]) for h in self.history if isinstance(h.get(key), float)]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", ms=3)
+            ax.set_title(title)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+        fig.tight_layout()
+        tmp = self.plot_path.with_suffix(".tmp.png")
+        fig.savefig(tmp, dpi=90)
+        plt.close(fig)
+        tmp.replace(self.plot_path)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()

@@ -1,0 +1,167 @@
+"""`mgrpo train`: the GRPO loop. One step = rollout -> rewards -> advantages -> pack -> train -> push.
+
+Rank 0 talks to vLLM (rollout, weight push); every rank trains its share of the packed step.
+The setup lives in small helpers (run/embedded.py, run/rollout_side.py, engine/, guard.py);
+this file holds the loop and what each rank decides per step.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_grpo.config import TrainConfig
+from megatron_grpo.configtree import to_dict
+
+
+def _broadcast(obj, src: int = 0):
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def _step_metrics(trajs, batch_stats: dict, train: dict, push_s: float, times: dict) -> dict:
+    rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float64)
+    m = {"reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if len(trajs) > 1 else 0.0,
+         "samples": float(len(trajs)), "tokens/generated": float(sum(t.num_generated for t in trajs)),
+         "turns/mean": sum(t.num_turns for t in trajs) / max(1, len(trajs))}
+    for name in (trajs[0].reward_terms if trajs else {}):
+        vals = [t.reward_terms.get(name) for t in trajs if t.reward_terms.get(name) is not None]
+        if vals:
+            m[f"reward/{name}"] = sum(vals) / len(vals)
+    m.update({k: v for k, v in train.items() if isinstance(v, (int, float))})
+    m.update({f"time/{k}": v for k, v in times.items()})
+    m["time/push"] = push_s
+    total = sum(times.values()) + push_s
+    m["time/step"] = total
+    m["tokens_per_s"] = m.get("tokens_total", m["tokens/generated"]) / max(total, 1e-9)
+    return m
+
+
+def train(cfg: TrainConfig, resume: bool = False) -> int:
+    """Run (or resume) the job described by `cfg` on this process's rank; returns an exit code."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_grpo.algo.advantages import compute_advantages
+    from megatron_grpo.data.reader import DataIterator, read_jsonl
+    from megatron_grpo.engine.batch import build_train_microbatches
+    from megatron_grpo.engine.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_grpo.engine.setup import build_engine
+    from megatron_grpo.engine.signals import PreemptionHandler
+    from megatron_grpo.engine.step import StepConfig, train_step
+    from megatron_grpo.guard import StepSchedule, Watchdog, check_schedule
+    from megatron_grpo.metrics import MetricsLogger
+    from megatron_grpo.packing import PackingConfig, plan_step, round_up
+    from megatron_grpo.run.embedded import ensure_embedded_inputs
+    from megatron_grpo.run.rollout_side import RolloutSide
+    from megatron_grpo.weight_sync.gather import export_to_rank0
+    from model_bridge.config import ParallelLayout
+    from model_bridge.parallel import destroy_parallel, init_parallel
+
+    p = cfg.parallel
+    init_parallel(tp=p.tp, ep=p.ep, etp=p.etp, pp=p.pp, seed=cfg.trainer.seed)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    run_dir = Path(cfg.trainer.run_dir)
+    if rank == 0:
+        ensure_embedded_inputs(cfg)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+    cfg = _broadcast(cfg)  # every rank sees the resolved paths
+    layout = ParallelLayout(tp=p.tp, ep=p.ep, etp=p.etp, pp=p.pp)
+    dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
+    side = RolloutSide(cfg, run_dir) if rank == 0 else None  # vLLM starts while ranks build the model
+    engine = build_engine(cfg.model.hf_dir, layout, cfg.optimizer, dtype=dtype, backend=cfg.model.backend)
+    dataset = read_jsonl(cfg.data.train_jsonl, cfg.data)
+    data = DataIterator.from_config(dataset, cfg.data, cfg.trainer.prompts_per_step)
+    from transformers import AutoFeatureExtractor
+    features = AutoFeatureExtractor.from_pretrained(cfg.model.hf_dir)
+    tp_sp = p.tp if p.tp > 1 else 1
+    packing = PackingConfig(max_tokens_per_microbatch=round_up(cfg.packing.max_tokens_per_microbatch, tp_sp),
+                            pad_multiple=tp_sp, allow_oversized=cfg.packing.allow_oversized,
+                            pad_token_id=int(side.tokenizer.pad_token_id or 0) if rank == 0 else 0)
+    packing = _broadcast(packing)
+    step_cfg = StepConfig(loss=cfg.loss, importance=cfg.importance,
+                          max_consecutive_skips=cfg.trainer.max_consecutive_skips,
+                          logprob_chunk_size=cfg.trainer.logprob_chunk_size)
+    logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, plot=cfg.logging.plot) if rank == 0 else None
+
+    start = 0
+    if resume:
+        start, extra = load_checkpoint(run_dir, engine.model, engine.optimizer, engine.scheduler)
+        if extra:
+            data.load_state_dict(extra["data"])
+        if logger:
+            logger.truncate_after(start)
+    if start > 0 or resume:  # the server must serve the checkpoint's weights, not the HF dir's
+        weights = export_to_rank0(engine.model)
+        side.push(weights, start) if rank == 0 else sum(1 for _ in weights)
+
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    bar = None
+    if rank == 0 and cfg.logging.progress:
+        from tqdm import tqdm
+        bar = tqdm(total=cfg.trainer.steps, initial=start, desc="grpo", unit="step", dynamic_ncols=True)
+    preempt = PreemptionHandler().install()
+    g = cfg.guard
+    code = 0
+    try:
+        with Watchdog(g.step_timeout_s, run_dir, first_step_timeout_s=g.first_step_timeout_s) as wd:
+            for step in range(start + 1, cfg.trainer.steps + 1):
+                with wd.step(step):
+                    times = {}
+                    t0 = time.monotonic()
+                    rows = data.next_batch()                                  # 1. rollout (rank 0)
+                    batch = side.rollout(rows, [step * 10_000 + i for i in range(len(rows))]) if rank == 0 else None
+                    trajs = _broadcast(batch.trajectories if batch else None)
+                    times["rollout"] = time.monotonic() - t0
+                    t0 = time.monotonic()
+                    rewards_N = torch.tensor([t.reward for t in trajs], dtype=torch.float32)   # 2. advantages
+                    groups_N = torch.tensor([t.group_id for t in trajs])
+                    adv = compute_advantages(rewards_N, groups_N, cfg.loss.variant)
+                    keep = [i for i in range(len(trajs)) if bool(adv.keep_N[i])]
+                    trajs = [replace(trajs[i], advantage=float(adv.values_N[i])) for i in keep]
+                    plan = plan_step([t.num_tokens for t in trajs], dp_size, packing)  # 3. pack
+                    mbs = build_train_microbatches(trajs, plan, dp_rank, packing, feature_extractor=features,
+                                                   n_window=engine.spec.audio.n_window)
+                    check_schedule(StepSchedule.from_microbatches(step, mbs))
+                    with wd.collective("train_step"):                           # 4. train
+                        train_metrics = train_step(engine, mbs, step_cfg, step=step)
+                    train_metrics["padding_fraction"] = plan.padding_fraction
+                    times["train"] = time.monotonic() - t0
+                    t0 = time.monotonic()
+                    with wd.collective("weight_push"):                          # 5. push to vLLM
+                        weights = export_to_rank0(engine.model)
+                        side.push(weights, step) if rank == 0 else sum(1 for _ in weights)
+                    push_s = time.monotonic() - t0
+                    if rank == 0:                                               # 6. log
+                        m = _step_metrics(trajs, batch.stats, train_metrics, push_s, times)
+                        logger.log(step, m)
+                        if bar:
+                            bar.set_postfix(reward=f"{m['reward/mean']:.3f}", kl=f"{m.get('mismatch_kl_k3', 0.0):.1e}",
+                                            tok_s=f"{m['tokens_per_s']:.0f}", step_s=f"{m['time/step']:.1f}")
+                            bar.update(1)
+                    ck = cfg.checkpoint                                          # 7. checkpoint
+                    stop = preempt.agreed()
+                    if stop or (ck.every and step % ck.every == 0) or (ck.at_end and step == cfg.trainer.steps):
+                        with wd.collective("save_checkpoint"):
+                            save_checkpoint(run_dir, step, engine.model, engine.optimizer, engine.scheduler,
+                                            {"data": data.state_dict()}, keep_last=ck.keep_last)
+                    if stop:
+                        if rank == 0:
+                            print(f"[train] preempted: checkpoint of step {step} saved; resume with "
+                                  f"`mgrpo train --resume {run_dir}`", flush=True)
+                        break
+    finally:
+        preempt.restore()
+        if bar:
+            bar.close()
+        if logger:
+            logger.close()
+        if side:
+            side.close()
+        destroy_parallel()
+    return code
