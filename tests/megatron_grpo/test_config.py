@@ -1,0 +1,32 @@
+"""The train config tree: examples load, the embedded default round-trips, docs are current."""
+from pathlib import Path
+
+import pytest
+
+from megatron_grpo.config import TrainConfig, load_train_config
+from megatron_grpo.configtree import ConfigKeyError, render_markdown
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_tiny_example_is_the_embedded_default():
+    assert load_train_config(REPO / "examples" / "audio_agent_tiny.yaml") == TrainConfig()
+
+
+def test_30b_example_loads_with_its_layout():
+    cfg = load_train_config(REPO / "examples" / "qwen3_omni_30b_a3b_audio_agent.yaml")
+    p = cfg.parallel
+    assert (p.nproc, p.tp, p.ep, p.pp, cfg.rollout.max_turns, cfg.rollout.num_generations) == (32, 2, 8, 2, 5, 8)
+
+
+def test_cross_section_checks_name_the_keys():
+    with pytest.raises(ConfigKeyError, match=r"parallel.nproc=3 is not a multiple of tp\*pp=2"):
+        load_train_config(None, ["parallel.nproc=3"])
+    with pytest.raises(ConfigKeyError, match=r"parallel.etp=1 with parallel.ep=1 and parallel.tp=2"):
+        load_train_config(None, ["parallel.etp=1"])
+
+
+def test_configuration_doc_is_generated_from_the_tree():
+    doc = (REPO / "docs" / "configuration.md").read_text()
+    assert doc.strip() == render_markdown(TrainConfig, "Configuration reference (`mgrpo train`)").strip(), \
+        "docs/configuration.md is stale: regenerate with `python -m megatron_grpo.config --docs > docs/configuration.md`"
