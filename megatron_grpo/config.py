@@ -14,11 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
 
+import torch
+
 from megatron_grpo.algo.importance import ISConfig
 from megatron_grpo.algo.losses import LossConfig
 from megatron_grpo.configtree import load_config, render_markdown
 from megatron_grpo.data.config import DataConfig
-from megatron_grpo.engine.setup import OptimConfig
+from megatron_grpo.engine.setup import OptimConfig, default_dtype
 from megatron_grpo.rollout.config import RolloutConfig
 
 
@@ -71,7 +73,9 @@ class ServeConfig:
     max_num_seqs: int = 32
     """Sequences the server decodes at once."""
     dtype: str = "auto"
-    """Server dtype (float32 on CPU keeps rollout and training logprobs comparable)."""
+    """Server dtype (vLLM's --dtype). auto = the trainer's dtype (``model.dtype``: float32 on CPU,
+    bfloat16 on GPU), so rollout and training logprobs come from the same numerics; vLLM's own
+    "auto" would serve a float32 checkpoint in bfloat16, even on CPU."""
     cpu_kvcache_gib: int = 1
     """KV-cache size on CPU servers, GiB."""
     max_audio_per_prompt: int = 4
@@ -180,6 +184,23 @@ class TrainConfig:
                              "never syncs expert gradients then; use etp=tp or ep>1")
         if (p.nproc // p.pp) % (p.ep * etp):
             raise ValueError(f"parallel.ep*etp={p.ep * etp} must divide nproc/pp={p.nproc // p.pp}")
+
+
+def train_dtype(cfg: TrainConfig) -> torch.dtype:
+    """The trainer's compute dtype: ``model.dtype``, or for "auto" bf16 on a CUDA machine, fp32 on CPU."""
+    if cfg.model.dtype == "auto":
+        return default_dtype()
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
+
+
+def serve_dtype(cfg: TrainConfig) -> str:
+    """vLLM's ``--dtype`` for the server `mgrpo train` starts: ``serve.dtype``, or for "auto" the
+    trainer's dtype (`train_dtype`). Never vLLM's own "auto": it downcasts a float32 checkpoint (the
+    embedded tiny one) to bfloat16 on CPU too, and the rollout logprobs then come from other numerics
+    than the trainer's (tiny job, step 1: mismatch_kl_k3 ~4e-4 instead of ~1e-12)."""
+    if cfg.serve.dtype != "auto":
+        return cfg.serve.dtype
+    return str(train_dtype(cfg)).removeprefix("torch.")
 
 
 def load_train_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> TrainConfig:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_grpo.config import TrainConfig
+from megatron_grpo.config import TrainConfig, train_dtype
 from megatron_grpo.configtree import to_dict
 
 
@@ -72,7 +72,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
         (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
     cfg = _broadcast(cfg)  # every rank sees the resolved paths
     layout = ParallelLayout(tp=p.tp, ep=p.ep, etp=p.etp, pp=p.pp)
-    dtype = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.model.dtype]
+    dtype = train_dtype(cfg)  # the local vLLM server gets the same (config.serve_dtype)
     side = RolloutSide(cfg, run_dir) if rank == 0 else None  # vLLM starts while ranks build the model
     engine = build_engine(cfg.model.hf_dir, layout, cfg.optimizer, dtype=dtype, backend=cfg.model.backend)
     dataset = read_jsonl(cfg.data.train_jsonl, cfg.data)

@@ -3,7 +3,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from megatron_grpo.config import TrainConfig
+from megatron_grpo.config import TrainConfig, serve_dtype, train_dtype
+
+
+def local_server_spec(cfg: TrainConfig):
+    """The `ServerSpec` of the vLLM server `mgrpo train` starts when rollout.server is "local":
+    the ``serve`` section, served as "policy", in the trainer's dtype unless serve.dtype says
+    otherwise (`megatron_grpo.config.serve_dtype`)."""
+    from megatron_grpo.rollout.server import ServerSpec
+
+    s = cfg.serve
+    return ServerSpec(model=cfg.model.hf_dir, served_model_name="policy", dtype=serve_dtype(cfg),
+                      max_model_len=s.max_model_len, max_num_seqs=s.max_num_seqs,
+                      seed=cfg.trainer.seed, max_audio_per_prompt=s.max_audio_per_prompt,
+                      cpu_kvcache_gib=s.cpu_kvcache_gib, extra_args=list(s.extra_args))
 
 
 class RolloutSide:
@@ -13,20 +26,21 @@ class RolloutSide:
         from transformers import AutoTokenizer
 
         from megatron_grpo.rollout.engine import RolloutEngine
-        from megatron_grpo.rollout.server import ServerSpec, VLLMServer
+        from megatron_grpo.rollout.server import VLLMServer
         from megatron_grpo.weight_sync import WeightReceiver
 
         self.cfg = cfg
         self.server = None
         rcfg = cfg.rollout
         if rcfg.server == "local":
-            s = cfg.serve
-            spec = ServerSpec(model=cfg.model.hf_dir, served_model_name="policy", dtype=s.dtype,
-                              max_model_len=s.max_model_len, max_num_seqs=s.max_num_seqs,
-                              seed=cfg.trainer.seed, max_audio_per_prompt=s.max_audio_per_prompt,
-                              cpu_kvcache_gib=s.cpu_kvcache_gib, extra_args=list(s.extra_args))
+            spec = local_server_spec(cfg)
+            trainer = str(train_dtype(cfg)).removeprefix("torch.")
+            if spec.dtype != trainer:
+                print(f"[train] warning: serve.dtype={spec.dtype} differs from the trainer's dtype "
+                      f"({trainer}): rollout and training logprobs come from different numerics "
+                      "(see the mismatch_kl_* metrics)", flush=True)
             self.server = VLLMServer(spec, run_dir / "vllm-server.log")
-            self.server.start(timeout=s.startup_timeout_s)
+            self.server.start(timeout=cfg.serve.startup_timeout_s)
             rcfg.server_urls = [self.server.url]
             rcfg.model = spec.served_model_name
         if rcfg.tokenizer is None:

@@ -21,13 +21,26 @@ def load_hf_thinker(ckpt_dir: str | Path, dtype=torch.float32):
 
 @torch.no_grad()
 def hf_logprobs_T(thinker, processor, ids: list[int], audios: list[np.ndarray] | None = None,
-                  sampling_rate: int = 16000) -> torch.Tensor:
+                  sampling_rate: int = 16000, *, per_clip: bool = False) -> torch.Tensor:
     """log p(ids[t] | ids[:t]) for t = 1..T-1 under the HF thinker, as float32 [T-1].
 
-    `audios` are the waveforms whose `<|audio_pad|>` runs appear in `ids`, in order.
+    `audios` are the waveforms whose `<|audio_pad|>` runs appear in `ids`, in order. Features:
+    one processor call over all clips (``per_clip=False``, what ``processor(text, audio=clips)``
+    does), or each clip on its own with the trainer's rule (``per_clip=True``:
+    ``megatron_grpo.data.features.audio_features``, which follows vLLM in the tool loop).
     """
     kw = {}
-    if audios:
+    if audios and per_clip:
+        from megatron_grpo.data.features import audio_features
+
+        feats_MF, lens_A = audio_features(processor.feature_extractor, list(audios))
+        x_AMF = torch.zeros(len(lens_A), feats_MF.shape[0], int(lens_A.max()))
+        mask_AF = torch.zeros(len(lens_A), int(lens_A.max()), dtype=torch.long)
+        for a, (o, n) in enumerate(zip((torch.cumsum(lens_A, 0) - lens_A).tolist(), lens_A.tolist())):
+            x_AMF[a, :, :n] = feats_MF[:, o:o + n]
+            mask_AF[a, :n] = 1
+        kw = {"input_features": x_AMF, "feature_attention_mask": mask_AF}
+    elif audios:
         feats = processor.feature_extractor(list(audios), sampling_rate=sampling_rate,
                                             return_attention_mask=True, padding=True, return_tensors="pt")
         kw = {"input_features": feats["input_features"], "feature_attention_mask": feats["attention_mask"]}
