@@ -24,7 +24,9 @@ parallel) or ``"etp"`` (expert tensor parallel); an expert variant is the same c
 Mappings: ``Replicated`` (whole tensor on every rank of the group), ``ColumnParallel`` (split dim 0),
 ``RowParallel`` (split dim 1), ``QKV`` (q/k/v fused per KV group, split by groups), ``GatedMLP``
 (gate/up fused, each split), ``VocabParallel`` (split dim 0 of the padded vocab, padding rows
-zero on load and dropped on export).
+zero on load and dropped on export), ``ExpertStacked`` (a layer's local experts stacked along dim 0
+of one parameter, each expert mapped by an inner mapping; its HF patterns use ``{expert}``, which
+``build_tasks`` expands over the local experts).
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ from model_bridge import transforms as T
 
 __all__ = [
     "MappingError", "Source", "DictSource", "Shard", "ParallelContext", "ParamMapping", "Replicated",
-    "ColumnParallel", "RowParallel", "QKV", "GatedMLP", "VocabParallel", "Rule", "Task",
+    "ColumnParallel", "RowParallel", "QKV", "GatedMLP", "VocabParallel", "ExpertStacked", "Rule", "Task",
     "build_tasks", "task_shard", "gather_shards", "SINGLE",
 ]
 
@@ -330,6 +332,64 @@ class VocabParallel(ParamMapping):
         return {SINGLE: T.unpad_vocab(torch.cat(list(shards), dim=0), self.vocab_size).contiguous()}
 
 
+class ExpertStacked(ParamMapping):
+    """The local experts of one layer stacked along dim 0 of one parameter (``[E_local, *expert]``,
+    e.g. grouped-GEMM experts), expert ``e`` mapped by ``inner`` to its own HF tensors.
+
+    In a ``Rule`` the HF patterns name the per-expert tensors with ``{expert}`` (the global expert
+    index), which the Megatron pattern does not capture; ``build_tasks`` binds the mapping to the
+    parameter's expert count (:meth:`bind`) and expands the roles to ``"<role>@<local expert>"``
+    with ``{expert} = ep_rank * E_local + e``. Group and shard layout are the inner mapping's (one
+    ETP shard of every expert on each rank).
+    """
+
+    expands = "expert"
+    """The HF placeholder expanded over dim 0."""
+
+    def __init__(self, inner: ParamMapping, num_local: int | None = None):
+        super().__init__(inner.group, inner.replicated)
+        self.inner = inner
+        self.num_local = num_local
+        self.pattern_roles = tuple(inner.roles)
+        self.roles = () if num_local is None else tuple(
+            f"{r}@{e}" for e in range(num_local) for r in self.pattern_roles)
+
+    def __repr__(self) -> str:
+        n = "" if self.num_local is None else f", num_local={self.num_local}"
+        return f"ExpertStacked({self.inner!r}{n})"
+
+    def bind(self, num_local: int) -> "ExpertStacked":
+        """This mapping for a parameter holding ``num_local`` experts."""
+        return ExpertStacked(self.inner, int(num_local))
+
+    def _check(self, local_shape) -> tuple[int, ...]:
+        s = _shape(local_shape)
+        if self.num_local is None:
+            raise MappingError(f"{self!r} is not bound to an expert count (use build_tasks)")
+        if len(s) < 2 or s[0] != self.num_local:
+            raise MappingError(f"ExpertStacked: parameter shape {list(s)} does not stack {self.num_local} experts "
+                               "along dim 0")
+        return s
+
+    def hf_shapes(self, local_shape, shard):
+        s = self._check(local_shape)
+        per = self.inner.hf_shapes(s[1:], shard)
+        return {f"{r}@{e}": per[r] for e in range(s[0]) for r in self.pattern_roles}
+
+    def load(self, src, keys, local_shape, shard):
+        s = self._check(local_shape)
+        return torch.stack([self.inner.load(src, {r: keys[f"{r}@{e}"] for r in self.pattern_roles}, s[1:], shard)
+                            for e in range(s[0])])
+
+    def merge(self, shards):
+        n = shards[0].shape[0]
+        out = {}
+        for e in range(n):
+            for r, t in self.inner.merge([sh[e] for sh in shards]).items():
+                out[f"{r}@{e}"] = t
+        return out
+
+
 # ------------------------------------------------------------------------------------------------
 # rules and tasks
 # ------------------------------------------------------------------------------------------------
@@ -358,10 +418,17 @@ class Rule:
     def __post_init__(self):
         object.__setattr__(self, "_regex", _pattern_regex(self.megatron))
         hf = {SINGLE: self.hf} if isinstance(self.hf, str) else dict(self.hf)
-        if set(hf) != set(self.mapping.roles):
+        roles = getattr(self.mapping, "pattern_roles", self.mapping.roles)
+        if set(hf) != set(roles):
             raise MappingError(f"rule {self.megatron}: HF roles {sorted(hf)} do not match {self.mapping!r} "
-                               f"roles {sorted(self.mapping.roles)}")
+                               f"roles {sorted(roles)}")
         names = set(_PLACEHOLDER.findall(self.megatron))
+        expands = getattr(self.mapping, "expands", None)
+        if expands is not None:
+            if expands in names:
+                raise MappingError(f"rule {self.megatron}: {self.mapping!r} expands {{{expands}}}, which the Megatron "
+                                   "pattern must not capture")
+            names = names | {expands}
         for role, pat in hf.items():
             extra = set(_PLACEHOLDER.findall(pat)) - names
             if extra:
@@ -375,6 +442,13 @@ class Rule:
     def hf_names(self, values: Mapping[str, int]) -> dict[str, str]:
         return {role: pat.format(**values) for role, pat in self._hf.items()}  # type: ignore[attr-defined]
 
+    def expanded_hf_names(self, values: Mapping[str, int], num_local: int, offset: int) -> dict[str, str]:
+        """For an expanding mapping (``ExpertStacked``): ``"<role>@<e>"`` -> HF name with the expanded
+        placeholder set to ``offset + e`` for each of the ``num_local`` stacked entries."""
+        key = self.mapping.expands
+        return {f"{role}@{e}": pat.format(**{**values, key: offset + e})
+                for e in range(num_local) for role, pat in self._hf.items()}  # type: ignore[attr-defined]
+
 
 @dataclass
 class Task:
@@ -385,10 +459,12 @@ class Task:
     rule: Rule
     hf: dict[str, str]
     shard: Shard
+    bound: ParamMapping | None = None
+    """The rule's mapping bound to this parameter (expanding mappings such as ``ExpertStacked``)."""
 
     @property
     def mapping(self) -> ParamMapping:
-        return self.rule.mapping
+        return self.bound if self.bound is not None else self.rule.mapping
 
 
 def _global_values(model: torch.nn.Module, name: str, m: re.Match, ctx: ParallelContext) -> dict[str, int]:
@@ -430,6 +506,14 @@ def build_tasks(model: torch.nn.Module, rules: Sequence[Rule], ctx: ParallelCont
             continue
         rule, m = hits[0]
         values = _global_values(model, name, m, ctx)
+        if getattr(rule.mapping, "expands", None) is not None:  # stacked experts: one HF set per local expert
+            if param.dim() < 2:
+                raise MappingError(f"{name} {list(param.shape)}: {rule.mapping!r} needs a stacked (>= 2-D) parameter")
+            n = int(param.shape[0])
+            bound = rule.mapping.bind(n)
+            tasks.append(Task(name, param, rule, rule.expanded_hf_names(values, n, ctx.ep_rank * n),
+                              task_shard(bound, ctx), bound))
+            continue
         tasks.append(Task(name, param, rule, rule.hf_names(values), task_shard(rule.mapping, ctx)))
     problems = []
     if uncovered:

@@ -19,6 +19,8 @@ language_model.decoder.layers.{layer}.
   mlp.router.weight                                     <- ...mlp.gate.weight                  Replicated
   mlp.experts.local_experts.{expert}.linear_fc1.weight  <- ...mlp.experts.{expert}.{gate,up}_proj  GatedMLP (etp)
   mlp.experts.local_experts.{expert}.linear_fc2.weight  <- ...mlp.experts.{expert}.down_proj   RowParallel (etp)
+  mlp.experts.weight1 [E_local, 2F/etp, h]               <- ...mlp.experts.{expert}.{gate,up}_proj  ExpertStacked(GatedMLP)
+  mlp.experts.weight2 [E_local, h, F/etp]                <- ...mlp.experts.{expert}.down_proj   ExpertStacked(RowParallel)
 language_model.decoder.final_layernorm.weight           <- model.norm.weight                   Replicated
 language_model.output_layer.weight                      <- lm_head.weight                      VocabParallel
 audio_tower.{conv2d1,2,3,conv_out,ln_post,proj1,proj2}  <- audio_tower.<same>                  Replicated
@@ -30,6 +32,10 @@ audio_tower.encoder.layers.{i}.
   mlp.linear_fc1.{weight,bias}                          <- ...fc1                              ColumnParallel*
   mlp.linear_fc2.weight / .bias                         <- ...fc2                              RowParallel* / Replicated
 
+The ``weight1``/``weight2`` rules cover the grouped-GEMM experts of the ``"torch"`` layer-spec
+backend (``modeling.experts.TorchGroupedMLP``: a layer's local experts stacked along dim 0, each
+slice laid out like SequentialMLP's per-expert weight); a model has one kind or the other.
+
 ``*``: when TP does not divide the audio heads the encoder is replicated on every TP rank and all
 its mappings are ``Replicated`` (``config.audio_is_tensor_parallel``). Not held by the Megatron
 model, copied through on export: ``PASSTHROUGH_PREFIXES``.
@@ -40,8 +46,8 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from model_bridge.config import (OmniSpec, ParallelLayout, audio_is_tensor_parallel, read_omni_config)
-from model_bridge.mappings import (QKV, ColumnParallel, GatedMLP, ParamMapping, Replicated, RowParallel, Rule,
-                                   VocabParallel)
+from model_bridge.mappings import (QKV, ColumnParallel, ExpertStacked, GatedMLP, ParamMapping, Replicated,
+                                   RowParallel, Rule, VocabParallel)
 
 __all__ = ["ModelBridge", "QWEN3_OMNI", "PASSTHROUGH_PREFIXES", "OWNED_PREFIXES", "mapping_rules"]
 
@@ -86,6 +92,10 @@ def _text_rules(spec: OmniSpec) -> list[Rule]:
         Rule(E + "linear_fc1.weight", {"gate": HE + "gate_proj.weight", "up": HE + "up_proj.weight"},
              GatedMLP(group="etp")),
         Rule(E + "linear_fc2.weight", HE + "down_proj.weight", RowParallel(group="etp")),
+        # grouped-GEMM experts (torch backend): the same per-expert mappings over a stacked dim 0
+        Rule(L + "mlp.experts.weight1", {"gate": HE + "gate_proj.weight", "up": HE + "up_proj.weight"},
+             ExpertStacked(GatedMLP(group="etp"))),
+        Rule(L + "mlp.experts.weight2", HE + "down_proj.weight", ExpertStacked(RowParallel(group="etp"))),
         Rule("language_model.decoder.final_layernorm.weight", "thinker.model.norm.weight", rep),
         Rule("language_model.output_layer.weight", "thinker.lm_head.weight", VocabParallel(t.vocab_size)),
     ]

@@ -6,13 +6,16 @@ norm) that ``GPTModel(transformer_layer_spec=...)`` takes. Backends:
 
 * ``"te"``: megatron's Transformer Engine spec (fused kernels; THD via TE's own attention). Used by
   ``"auto"`` whenever ``transformer_engine`` imports.
+* ``"torch"``: the torch-native fast path (:mod:`model_bridge.modeling.torch_backend`): packed
+  attention on ``varlen_attn`` without host syncs, experts on ``grouped_mm``. ``"auto"`` on CUDA
+  when Transformer Engine does not import. Registered on first use (lazy import).
 * ``"local"``: megatron's local (pure PyTorch) spec with :class:`PackedCoreAttention` as core
   attention (megatron's ``DotProductAttention`` refuses packed sequences), RMSNorm through
-  ``WrappedTorchNorm``, and ``SequentialMLP`` experts. ``"auto"`` otherwise.
+  ``WrappedTorchNorm``, and ``SequentialMLP`` experts. ``"auto"`` otherwise (CPU).
 
 Other backends (e.g. a ``"torch"`` fast path with varlen attention and grouped-GEMM experts) plug
 in with ``register_backend(name, fn)``; ``fn(config, vp_stage=None, pp_rank=None)`` returns the
-block spec. Every backend must keep the local spec's parameter names (``docs/bridge_contract.md``)
+block spec. Every backend must keep the local spec's parameter names (``docs/bridge.md``)
 so that weight loading, export and checkpoints work unchanged.
 """
 from __future__ import annotations
@@ -26,6 +29,13 @@ __all__ = ["thinker_layer_spec", "register_backend", "available_backends", "reso
 
 BlockSpecFn = Callable[..., object]
 _BACKENDS: dict[str, BlockSpecFn] = {}
+_LAZY_BACKENDS = {"torch": "model_bridge.modeling.torch_backend"}
+"""Backends registered by importing their module on first use (keeps this module light)."""
+
+
+def _ensure_registered(name: str) -> None:
+    if name not in _BACKENDS and name in _LAZY_BACKENDS:
+        importlib.import_module(_LAZY_BACKENDS[name])
 
 
 def te_available() -> bool:
@@ -49,14 +59,20 @@ def register_backend(name: str, fn: BlockSpecFn, *, overwrite: bool = False) -> 
 
 
 def available_backends() -> list[str]:
-    """Names of the registered backends."""
-    return sorted(_BACKENDS)
+    """Names of the registered (and lazily registered) backends."""
+    return sorted(set(_BACKENDS) | set(_LAZY_BACKENDS))
 
 
 def resolve_backend(backend: str = "auto") -> str:
-    """``"auto"`` -> ``"te"`` when Transformer Engine imports, else ``"local"``; others are checked."""
+    """``"auto"`` -> ``"te"`` when Transformer Engine imports, else ``"torch"`` on CUDA, else
+    ``"local"``; others are checked."""
     if backend == "auto":
-        return "te" if te_available() else "local"
+        if te_available():
+            return "te"
+        import torch
+
+        backend = "torch" if torch.cuda.is_available() else "local"
+    _ensure_registered(backend)
     if backend not in _BACKENDS:
         raise ValueError(f"unknown layer-spec backend {backend!r}; registered: {available_backends()} "
                          "(or 'auto')")

@@ -320,7 +320,7 @@ def _rank_cuda(hf_dir: str, samples):
     feats_all = torch.cat([s[2] for s in clips], 1).cuda()
     lens_all = torch.cat([s[3] for s in clips]).cuda()
     for dtype, key in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
-        model = build_thinker(spec, ParallelLayout(), dtype)
+        model = build_thinker(spec, ParallelLayout(), dtype, backend="local")  # counts local varlen calls
         load_hf(model, hf_dir)
         model = model.cuda().eval()
         with torch.no_grad():

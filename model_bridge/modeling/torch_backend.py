@@ -1,0 +1,413 @@
+"""The ``"torch"`` layer-spec backend: megatron-core on torch-native fast kernels, without TE.
+
+Registered as ``"torch"`` in :mod:`model_bridge.modeling.specs`; ``backend="auto"`` picks it on
+CUDA when Transformer Engine does not import (te > torch (CUDA) > local (CPU)). It is megatron's
+local spec (same modules, same parameter names outside the experts) with four replacements:
+
+* core attention: :class:`TorchCoreAttention`, :class:`~model_bridge.modeling.attention.PackedCoreAttention`
+  whose packed (THD) path on CUDA in bf16/fp16 calls ``torch.nn.attention.varlen.varlen_attn`` with a
+  *plan* computed once per micro-batch (:func:`varlen_plan`: segment offsets on the device, max length,
+  compaction index) and cached on the ``PackedSeqParams`` object, so no layer reads ``cu_seqlens`` back
+  to the host (the plain ``PackedCoreAttention`` does that in every layer);
+* self attention: :class:`TorchSelfAttention`, megatron's ``SelfAttention`` whose packed RoPE skips
+  megatron's THD loop (``.tolist()`` plus one ``.item()`` per sample, for q and for k, every layer):
+  with per-token rotary angles for all T packed tokens (our MRoPE) and no context parallelism, THD RoPE
+  *is* the BSHD RoPE over the buffer, which runs with no host sync; on CUDA it is one fused Triton
+  pass each way (:class:`_FusedRope`, cos/sin computed once per forward and cached on the angles
+  tensor; ``MGRPO_TRITON_ROPE=0`` falls back to megatron's unfused BSHD RoPE);
+* MoE layer: :class:`TorchMoELayer`, megatron's ``MoELayer`` whose all-to-all dispatcher permutes with
+  :func:`~model_bridge.modeling.experts.sort_by_expert` (same order as megatron's permute, one argsort
+  over ``T * k`` pairs, gathers both ways, fp32 sum over each token's k expert outputs, fused into one
+  Triton gather-sum on CUDA) instead of an argsort over ``T * E`` and a bf16 ``scatter_add``, and that
+  skips megatron's "permutation 2" chunk sort when it is the identity (one EP and one expert-TP rank:
+  otherwise a ``torch.cat`` copy of every routed row, both ways); any configuration that path does not
+  cover (capacity factor, padding, fused permute, shared experts) keeps megatron's;
+* experts: :class:`~model_bridge.modeling.experts.TorchGroupedMLP` (``grouped_mm``).
+
+Everything else (the EP all-to-all, ETP all-gather / reduce-scatter, router, aux loss, norms,
+linears) is megatron's. On CPU or in fp32 the same modules fall back to the reference math
+(per-segment SDPA, the grouped_mm CPU kernel or a per-expert loop), which is what the CPU tests
+check against the ``"local"`` spec.
+
+Parameter names: as the local spec, except the experts: ``mlp.experts.weight1`` / ``weight2``
+(stacked, see experts.py) instead of ``mlp.experts.local_experts.{e}.linear_fc{1,2}.weight``; the
+mapping table has rules for both and dist checkpoints are interchangeable.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import os
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+from .attention import PackedCoreAttention, _varlen_params, packed_segments
+from .experts import TorchGroupedMLP, sort_by_expert, topk_indices, unsort_combine
+from .specs import _check_config, local_block_spec, register_backend
+
+__all__ = ["torch_block_spec", "TorchCoreAttention", "TorchSelfAttention", "TorchMoELayer", "VarlenPlan",
+           "varlen_plan", "TorchGroupedMLP"]
+
+_FLASH_DTYPES = (torch.bfloat16, torch.float16)
+
+
+# ------------------------------------------------------------------------------------------------
+# packed attention without host syncs
+# ------------------------------------------------------------------------------------------------
+
+@dataclass
+class VarlenPlan:
+    """What ``varlen_attn`` needs for one packed micro-batch, computed once (one host read)."""
+
+    T: int
+    device: torch.device
+    cu: torch.Tensor
+    """int32 ``[S+1]`` offsets of the (compacted) samples, on ``device``."""
+    max_len: int
+    n_real: int
+    """Tokens inside samples."""
+    idx: Optional[torch.Tensor]
+    """Rows of the samples in the buffer when they are not contiguous from 0 (gaps), else None."""
+    src: tuple
+    """Identity of the cu_seqlens tensors the plan was made from (stale-cache check)."""
+
+
+def varlen_plan(psp, T: int, device: torch.device) -> VarlenPlan:
+    """The :class:`VarlenPlan` of ``psp`` (a ``PackedSeqParams``) for a T-token buffer, cached on it."""
+    src = (id(psp.cu_seqlens_q), id(psp.cu_seqlens_q_padded), id(psp.cu_seqlens_kv))
+    plan = getattr(psp, "_mgrpo_varlen_plan", None)
+    if plan is not None and plan.T == T and plan.device == device and plan.src == src:
+        return plan
+    cu_q, cu_kv = psp.cu_seqlens_q, psp.cu_seqlens_kv
+    if cu_kv is not None and cu_kv is not cu_q and not torch.equal(torch.as_tensor(cu_q).cpu(),
+                                                                      torch.as_tensor(cu_kv).cpu()):
+        raise NotImplementedError("TorchCoreAttention needs cu_seqlens_q == cu_seqlens_kv (self-attention)")
+    segs = packed_segments(cu_q, getattr(psp, "cu_seqlens_q_padded", None))
+    if segs and segs[-1][0] + segs[-1][1] > T:
+        raise ValueError(f"packed samples end at {segs[-1][0] + segs[-1][1]} but the buffer holds {T} tokens")
+    lens = [n for _, n in segs]
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    contiguous = all(s == e for (s, _), e in zip(segs, cu[:-1]))
+    given = getattr(psp, "max_seqlen_q", None)
+    max_len = int(given) if given is not None else max(lens, default=0)
+    idx = None
+    if not contiguous:
+        idx = torch.cat([torch.arange(s, s + n) for s, n in segs]).to(device)
+    plan = VarlenPlan(T=T, device=device, cu=torch.tensor(cu, dtype=torch.int32).to(device), max_len=max_len,
+                      n_real=cu[-1], idx=idx, src=src)
+    try:
+        psp._mgrpo_varlen_plan = plan
+    except (AttributeError, TypeError):  # a frozen/slotted PackedSeqParams: recompute next time
+        pass
+    return plan
+
+
+def _varlen_run(q, k, v, plan: VarlenPlan, causal: bool, scale: float) -> torch.Tensor:
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = _varlen_params()
+    kw = {"scale": scale}
+    if "window_size" in params:
+        kw["window_size"] = (-1, 0) if causal else (-1, -1)
+    elif "is_causal" in params:
+        kw["is_causal"] = causal
+    elif causal:
+        raise RuntimeError("this torch's varlen_attn takes neither window_size nor is_causal")
+    if "enable_gqa" in params and q.shape[1] != k.shape[1]:
+        kw["enable_gqa"] = True
+    T = q.shape[0]
+    if plan.idx is None:
+        n = plan.n_real
+        out = varlen_attn(q[:n], k[:n], v[:n], plan.cu, plan.cu, plan.max_len, plan.max_len, **kw)
+        if n < T:
+            out = torch.cat([out, out.new_zeros(T - n, *out.shape[1:])])
+        return out
+    out_c = varlen_attn(q[plan.idx], k[plan.idx], v[plan.idx], plan.cu, plan.cu, plan.max_len, plan.max_len, **kw)
+    return q.new_zeros(T, q.shape[1], v.shape[-1]).index_copy(0, plan.idx, out_c)
+
+
+class TorchCoreAttention(PackedCoreAttention):
+    """``PackedCoreAttention`` whose CUDA bf16/fp16 THD path reuses a per-micro-batch
+    :class:`VarlenPlan` (no host sync per layer). Everything else is the parent's."""
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None, **unused):
+        if (packed_seq_params is not None and packed_seq_params.qkv_format == "thd" and attention_bias is None
+                and query.is_cuda and query.dtype in _FLASH_DTYPES):
+            if query.dim() == 4:
+                query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
+            plan = varlen_plan(packed_seq_params, query.shape[0], query.device)
+            out = _varlen_run(query, key, value, plan, self._is_causal(attn_mask_type), self.softmax_scale)
+            return out.reshape(out.shape[0], -1)
+        return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                               attention_bias=attention_bias, packed_seq_params=packed_seq_params, **unused)
+
+
+# ------------------------------------------------------------------------------------------------
+# THD RoPE without host syncs
+# ------------------------------------------------------------------------------------------------
+
+_STATE = threading.local()
+
+
+def _fast_rope_active() -> bool:
+    return getattr(_STATE, "depth", 0) > 0
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_rope_kernel():
+    """Rotary embedding (non-interleaved halves) of ``x [T, n, d]`` with per-token ``cos/sin [T, d]``
+    in one pass, forward or backward (the transpose rotation); None without Triton."""
+    if os.environ.get("MGRPO_TRITON_ROPE", "1") == "0":
+        return None
+    try:
+        import triton
+        import triton.language as tl
+    except Exception:  # noqa: BLE001
+        return None
+
+    @triton.jit
+    def rope(x_ptr, cos_ptr, sin_ptr, o_ptr, n_heads, sx0, sx1, so0, so1, HALF: tl.constexpr,
+             BLOCK_N: tl.constexpr, BWD: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        heads = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        hm = (heads < n_heads)[:, None]
+        d = tl.arange(0, HALF)
+        cb = cos_ptr + t * (2 * HALF)
+        sb = sin_ptr + t * (2 * HALF)
+        c1 = tl.load(cb + d)[None, :]
+        c2 = tl.load(cb + HALF + d)[None, :]
+        s1 = tl.load(sb + d)[None, :]
+        s2 = tl.load(sb + HALF + d)[None, :]
+        xp = x_ptr + t * sx0 + heads[:, None] * sx1 + d[None, :]
+        x1 = tl.load(xp, mask=hm, other=0.0).to(tl.float32)
+        x2 = tl.load(xp + HALF, mask=hm, other=0.0).to(tl.float32)
+        if BWD:
+            y1 = x1 * c1 + x2 * s2
+            y2 = x2 * c2 - x1 * s1
+        else:
+            y1 = x1 * c1 - x2 * s1
+            y2 = x2 * c2 + x1 * s2
+        op = o_ptr + t * so0 + heads[:, None] * so1 + d[None, :]
+        tl.store(op, y1.to(o_ptr.dtype.element_ty), mask=hm)
+        tl.store(op + HALF, y2.to(o_ptr.dtype.element_ty), mask=hm)
+
+    return rope
+
+
+def _rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bwd: bool) -> torch.Tensor:
+    import triton
+
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    T, n, d = x.shape
+    out = torch.empty(T, n, d, dtype=x.dtype, device=x.device)
+    if T:
+        block_n = min(16, triton.next_power_of_2(n))
+        _triton_rope_kernel()[(T, triton.cdiv(n, block_n))](x, cos, sin, out, n, x.stride(0), x.stride(1),
+                                                             out.stride(0), out.stride(1), HALF=d // 2,
+                                                             BLOCK_N=block_n, BWD=bwd, num_warps=4)
+    return out
+
+
+class _FusedRope(torch.autograd.Function):
+    """``x * cos + rotate_half(x) * sin`` (megatron's non-interleaved RoPE) in one Triton pass each way."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rope_launch(x, cos, sin, bwd=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return _rope_launch(grad, cos, sin, bwd=True), None, None
+
+
+def _cos_sin(freqs: torch.Tensor, mscale: float):
+    """fp32 ``(cos, sin) [T, d]`` of rotary angles ``[T, 1, 1, d]``, cached on the freqs tensor (the
+    same tensor reaches every layer of a forward, for q and for k)."""
+    cached = getattr(freqs, "_mgrpo_cos_sin", None)
+    if cached is not None and cached[0] == mscale and cached[1] == freqs._version:
+        return cached[2], cached[3]
+    f = freqs.reshape(freqs.shape[0], freqs.shape[-1]).float()
+    cos, sin = (torch.cos(f) * mscale).contiguous(), (torch.sin(f) * mscale).contiguous()
+    try:
+        freqs._mgrpo_cos_sin = (mscale, freqs._version, cos, sin)
+    except (AttributeError, RuntimeError):
+        pass
+    return cos, sin
+
+
+def _fused_rope_ok(t: torch.Tensor, freqs: torch.Tensor, config) -> bool:
+    from .experts import _TRITON_ON_CPU
+
+    d = t.shape[-1]
+    return ((t.is_cuda or _TRITON_ON_CPU) and freqs.shape[-1] == d and d % 2 == 0 and (d // 2) & (d // 2 - 1) == 0
+            and not getattr(config, "rotary_interleaved", False)
+            and not getattr(config, "multi_latent_attention", False) and _triton_rope_kernel() is not None)
+
+
+def _make_fast_rope(orig):
+    @functools.wraps(orig)
+    def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None, **kw):
+        if (cu_seqlens is not None and _fast_rope_active() and t.dim() == 3 and freqs.dim() == 4
+                and freqs.shape[0] == t.shape[0] and freqs.shape[1] == 1
+                and not getattr(config, "apply_rope_fusion", False)
+                and (cp_group is None or cp_group.size() == 1)):
+            # per-token angles for every packed token and no CP: megatron's THD path (cp=1, packed
+            # freqs) applies exactly these angles row by row, after reading cu_seqlens to the host
+            if _fused_rope_ok(t, freqs, config):
+                cos, sin = _cos_sin(freqs, float(mscale))
+                return _FusedRope.apply(t, cos, sin)
+            return orig(t.unsqueeze(1), freqs, config, None, mscale=mscale, cp_group=cp_group, **kw).squeeze(1)
+        return orig(t, freqs, config, cu_seqlens, mscale=mscale, cp_group=cp_group, **kw)
+
+    apply_rotary_pos_emb._mgrpo_fast_rope = True
+    return apply_rotary_pos_emb
+
+
+def install_fast_rope() -> None:
+    """Wrap ``megatron.core.transformer.attention.apply_rotary_pos_emb`` (idempotent). The wrapper
+    changes nothing unless called from inside :class:`TorchSelfAttention`'s forward."""
+    import megatron.core.transformer.attention as attn_mod
+
+    if not getattr(attn_mod.apply_rotary_pos_emb, "_mgrpo_fast_rope", False):
+        attn_mod.apply_rotary_pos_emb = _make_fast_rope(attn_mod.apply_rotary_pos_emb)
+
+
+class TorchSelfAttention(SelfAttention):
+    """megatron ``SelfAttention`` whose packed RoPE runs without host syncs (module docstring)."""
+
+    def forward(self, *args, **kwargs):
+        _STATE.depth = getattr(_STATE, "depth", 0) + 1
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            _STATE.depth -= 1
+
+
+# ------------------------------------------------------------------------------------------------
+# MoE layer: sort-based permutation
+# ------------------------------------------------------------------------------------------------
+
+class _SortedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
+    """megatron's all-to-all dispatcher with permutation 1 / unpermutation 1 replaced by
+    :func:`sort_by_expert` / :func:`unsort_combine` (same row order; EP/ETP communication unchanged)."""
+
+    def _sorted_ok(self) -> bool:
+        return (getattr(self, "shared_experts", None) is None and not getattr(self, "drop_and_pad", False)
+                and not self.config.moe_permute_fusion and not getattr(self.config, "moe_router_padding_for_quantization", False)
+                and self.config.moe_expert_capacity_factor is None)
+
+    def dispatch_preprocess(self, hidden_states, routing_map, probs):
+        if not self._sorted_ok():
+            self._sort_plan = None
+            return super().dispatch_preprocess(hidden_states, routing_map, probs)
+        self.hidden_shape = hidden_states.shape
+        self.probs = probs
+        self.routing_map = routing_map
+        hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
+        self.tokens_per_expert = self.preprocess(routing_map)
+        self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_permutation_1", self.tokens_per_expert)
+        self.hidden_shape_before_permute = hidden_states.shape
+        idx = topk_indices(routing_map, self.config.moe_router_topk)
+        tokens, pprobs, plan = sort_by_expert(hidden_states, idx, probs)
+        self._sort_plan = plan
+        self.reversed_local_input_permutation_mapping = plan["src_rows"]
+        return tokens, pprobs
+
+    def _identity_chunks(self) -> bool:
+        """One EP rank and one expert-TP rank: megatron's permutation 2 (sort the received chunks by
+        local expert) is the identity, but copies every routed row (and back) with ``torch.cat``."""
+        return (getattr(self, "_sort_plan", None) is not None and self.ep_size * self.tp_size == 1
+                and not getattr(self, "drop_and_pad", False))
+
+    def dispatch_postprocess(self, global_input_tokens, global_probs):
+        if not self._identity_chunks():
+            return super().dispatch_postprocess(global_input_tokens, global_probs)
+        self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_permutation_2", self.tokens_per_expert)
+        tokens_per_expert = self._maybe_dtoh_and_synchronize("before_finish", self.tokens_per_expert)
+        self.tokens_per_expert = None
+        return global_input_tokens, tokens_per_expert, global_probs
+
+    def combine_preprocess(self, hidden_states):
+        if not self._identity_chunks():
+            return super().combine_preprocess(hidden_states)
+        return hidden_states
+
+    def combine_postprocess(self, permutated_local_input_tokens):
+        plan = getattr(self, "_sort_plan", None)
+        if plan is None:
+            return super().combine_postprocess(permutated_local_input_tokens)
+        self._sort_plan = None
+        return unsort_combine(permutated_local_input_tokens, plan).view(self.hidden_shape)
+
+
+class TorchMoELayer(MoELayer):
+    """megatron ``MoELayer`` whose all-to-all dispatcher permutes by sorting (module docstring)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if type(self.token_dispatcher) is MoEAlltoAllTokenDispatcher:
+            # same object and state, two methods overridden (its constructor differs across versions)
+            self.token_dispatcher.__class__ = _SortedAlltoAllTokenDispatcher
+
+
+# ------------------------------------------------------------------------------------------------
+# the spec
+# ------------------------------------------------------------------------------------------------
+
+def _torch_moe(mlp):
+    """The MoE mlp spec (ModuleSpec in megatron-core 0.16, functools.partial in 0.19) with our
+    layer and experts; anything else unchanged."""
+    if isinstance(mlp, functools.partial):
+        if not (isinstance(mlp.func, type) and issubclass(mlp.func, MoELayer)):
+            return mlp
+        kw = dict(mlp.keywords)
+        kw["submodules"] = dataclasses.replace(kw["submodules"], experts=TorchGroupedMLP)
+        return functools.partial(TorchMoELayer, *mlp.args, **kw)
+    module = getattr(mlp, "module", None)
+    if isinstance(module, type) and issubclass(module, MoELayer):
+        mlp = copy.copy(mlp)
+        mlp.module = TorchMoELayer
+        mlp.submodules = dataclasses.replace(mlp.submodules, experts=TorchGroupedMLP)
+    return mlp
+
+
+def _is_torch_moe(mlp) -> bool:
+    if isinstance(mlp, functools.partial):
+        return mlp.func is TorchMoELayer and mlp.keywords["submodules"].experts is TorchGroupedMLP
+    return getattr(mlp, "module", None) is TorchMoELayer and mlp.submodules.experts is TorchGroupedMLP
+
+
+def torch_block_spec(config, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None):
+    """The ``"torch"`` backend's decoder block spec (module docstring)."""
+    _check_config(config)
+    if getattr(config, "moe_grouped_gemm", False):  # the local spec refuses it; our experts are grouped
+        config = copy.copy(config)
+        config.moe_grouped_gemm = False
+    block = local_block_spec(config, vp_stage=vp_stage, pp_rank=pp_rank)  # a deep copy: ours to edit
+    for layer in block.layer_specs:
+        sa = layer.submodules.self_attention
+        if sa.module is SelfAttention:
+            sa.module = TorchSelfAttention
+        sa.submodules.core_attention = TorchCoreAttention
+        layer.submodules.mlp = _torch_moe(layer.submodules.mlp)
+        if getattr(config, "num_moe_experts", None) and not _is_torch_moe(layer.submodules.mlp):
+            raise RuntimeError(f"torch backend: could not put TorchMoELayer/TorchGroupedMLP into this megatron-core's "
+                               f"MoE spec {layer.submodules.mlp!r}")
+    install_fast_rope()
+    return block
+
+
+register_backend("torch", torch_block_spec)
