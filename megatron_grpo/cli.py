@@ -61,9 +61,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_parser(sub)
 
+    from model_bridge.convert import add_convert_parser  # argparse only: torch/megatron load when it runs
+
+    add_convert_parser(sub)
+
     from megatron_grpo.train_cli import add_train_parser
 
     add_train_parser(sub)
+
+    from launch.bench import add_bench_parser
+
+    add_bench_parser(sub)
     return p
 
 

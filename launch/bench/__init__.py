@@ -1,0 +1,28 @@
+"""Benchmarks (``mgrpo bench KIND``): each writes JSON (and a PNG where it helps) under ``--out``.
+
+A kind is a module of this package with ``add_parser(subparsers)``; register it in ``KINDS``.
+Kinds: ``convert`` (HF <-> Megatron dist checkpoint conversion throughput and peak RSS on a
+full-width Qwen3-Omni-layout checkpoint, :mod:`launch.bench.convert`), ``layers`` (N full-width
+thinker layers fwd+bwd: ours vs HF transformers vs megatron's local spec, with the kernel ceiling,
+:mod:`launch.bench.layers`).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+
+__all__ = ["add_bench_parser", "KINDS"]
+
+KINDS = {"convert": "launch.bench.convert", "layers": "launch.bench.layers"}
+"""bench kind -> module with ``add_parser(subparsers)`` (argparse only; heavy imports when it runs)."""
+
+
+def add_bench_parser(sub) -> argparse.ArgumentParser:
+    """Register ``bench`` and its kinds on an argparse subparsers object."""
+    p = sub.add_parser("bench", help="run a benchmark; results (JSON, PNG) go under --out",
+                       description=__doc__.split("\n\n")[0])
+    bsub = p.add_subparsers(dest="bench_kind", metavar="{" + ",".join(KINDS) + "}")
+    bsub.required = True
+    for module in KINDS.values():
+        importlib.import_module(module).add_parser(bsub)
+    return p
