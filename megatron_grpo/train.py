@@ -64,7 +64,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
 
     p = cfg.parallel
     init_parallel(tp=p.tp, ep=p.ep, etp=p.etp, pp=p.pp, seed=cfg.trainer.seed)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     run_dir = Path(cfg.trainer.run_dir)
     if rank == 0:
         ensure_embedded_inputs(cfg)

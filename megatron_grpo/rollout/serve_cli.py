@@ -122,7 +122,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"[serve] {server.url}  model={spec.served_model_name}  "
               f"weight_transfer={spec.weight_transfer_backend or 'off'}  "
               f"auth={'api key' if api_key else 'none (loopback only)'}", flush=True)
-        print(f"[serve] serving until Ctrl-C / SIGTERM", flush=True)
+        print("[serve] serving until Ctrl-C / SIGTERM", flush=True)
         while server.proc is not None and server.proc.poll() is None:
             time.sleep(1.0)
         code = server.proc.returncode if server.proc is not None else 1

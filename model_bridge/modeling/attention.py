@@ -80,8 +80,14 @@ def _varlen(q, k, v, cu: list[int], max_len: int, causal: bool, scale: float):
     """One flash varlen call over contiguous segments ``cu`` (q/k/v [t, n, d] on CUDA)."""
     from torch.nn.attention.varlen import varlen_attn
 
-    params = _varlen_params()
     cu_t = torch.tensor(cu, dtype=torch.int32, device=q.device)
+    return varlen_attn(q, k, v, cu_t, cu_t, max_len, max_len, **varlen_kwargs(q, k, causal, scale))
+
+
+def varlen_kwargs(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> dict:
+    """Keyword arguments of this torch's ``varlen_attn`` for causal or full attention with GQA
+    (torch 2.11 has ``window_size`` and no ``is_causal``: causal is the window (-1, 0))."""
+    params = _varlen_params()
     kw = {"scale": scale}
     if "window_size" in params:
         kw["window_size"] = (-1, 0) if causal else (-1, -1)
@@ -91,7 +97,7 @@ def _varlen(q, k, v, cu: list[int], max_len: int, causal: bool, scale: float):
         raise RuntimeError("this torch's varlen_attn takes neither window_size nor is_causal")
     if "enable_gqa" in params and q.shape[1] != k.shape[1]:
         kw["enable_gqa"] = True
-    return varlen_attn(q, k, v, cu_t, cu_t, max_len, max_len, **kw)
+    return kw
 
 
 def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens,

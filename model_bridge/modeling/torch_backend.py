@@ -49,7 +49,7 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-from .attention import PackedCoreAttention, _varlen_params, packed_segments
+from .attention import PackedCoreAttention, packed_segments, varlen_kwargs
 from .experts import TorchGroupedMLP, sort_by_expert, topk_indices, unsort_combine
 from .specs import _check_config, local_block_spec, register_backend
 
@@ -115,16 +115,7 @@ def varlen_plan(psp, T: int, device: torch.device) -> VarlenPlan:
 def _varlen_run(q, k, v, plan: VarlenPlan, causal: bool, scale: float) -> torch.Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
-    params = _varlen_params()
-    kw = {"scale": scale}
-    if "window_size" in params:
-        kw["window_size"] = (-1, 0) if causal else (-1, -1)
-    elif "is_causal" in params:
-        kw["is_causal"] = causal
-    elif causal:
-        raise RuntimeError("this torch's varlen_attn takes neither window_size nor is_causal")
-    if "enable_gqa" in params and q.shape[1] != k.shape[1]:
-        kw["enable_gqa"] = True
+    kw = varlen_kwargs(q, k, causal, scale)
     T = q.shape[0]
     if plan.idx is None:
         n = plan.n_real
