@@ -24,11 +24,13 @@ def _broadcast(obj, src: int = 0):
     return box[0]
 
 
-def _step_metrics(trajs, batch_stats: dict, train: dict, push_s: float, times: dict) -> dict:
+def _step_metrics(step: int, trajs, train: dict, push_s: float, times: dict) -> dict:
     rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float64)
     m = {"reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if len(trajs) > 1 else 0.0,
          "samples": float(len(trajs)), "tokens/generated": float(sum(t.num_generated for t in trajs)),
-         "turns/mean": sum(t.num_turns for t in trajs) / max(1, len(trajs))}
+         "turns/mean": sum(t.num_turns for t in trajs) / max(1, len(trajs)),
+         # steps between the policy that sampled and the one trained (0 on-policy, 1 with overlap)
+         "rollout/weight_lag": float(step - 1 - min((t.weight_version for t in trajs), default=step - 1))}
     for name in (trajs[0].reward_terms if trajs else {}):
         vals = [t.reward_terms.get(name) for t in trajs if t.reward_terms.get(name) is not None]
         if vals:
@@ -57,7 +59,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
     from megatron_grpo.metrics import MetricsLogger
     from megatron_grpo.packing import PackingConfig, plan_step, round_up
     from megatron_grpo.run.embedded import ensure_embedded_inputs
-    from megatron_grpo.run.rollout_side import RolloutSide
+    from megatron_grpo.run.rollout_side import RolloutFeed, RolloutSide
     from megatron_grpo.weight_sync.gather import export_to_rank0
     from model_bridge.config import ParallelLayout
     from model_bridge.parallel import destroy_parallel, init_parallel
@@ -105,6 +107,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
     if rank == 0 and cfg.logging.progress:
         from tqdm import tqdm
         bar = tqdm(total=cfg.trainer.steps, initial=start, desc="grpo", unit="step", dynamic_ncols=True)
+    feed = RolloutFeed(side, data, cfg.rollout.overlap, rank)
     preempt = PreemptionHandler().install()
     g = cfg.guard
     code = 0
@@ -114,10 +117,10 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
                 with wd.step(step):
                     times = {}
                     t0 = time.monotonic()
-                    rows = data.next_batch()                                  # 1. rollout (rank 0)
-                    batch = side.rollout(rows, [step * 10_000 + i for i in range(len(rows))]) if rank == 0 else None
-                    trajs = _broadcast(batch.trajectories if batch else None)
+                    trajs, _ = feed.take(step, _broadcast)                      # 1. rollout (rank 0)
                     times["rollout"] = time.monotonic() - t0
+                    if step < cfg.trainer.steps:
+                        feed.prefetch(step + 1)  # rollout.overlap: step+1 rolls out while this step trains
                     t0 = time.monotonic()
                     rewards_N = torch.tensor([t.reward for t in trajs], dtype=torch.float32)   # 2. advantages
                     groups_N = torch.tensor([t.group_id for t in trajs])
@@ -133,12 +136,13 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
                     train_metrics["padding_fraction"] = plan.padding_fraction
                     times["train"] = time.monotonic() - t0
                     t0 = time.monotonic()
-                    with wd.collective("weight_push"):                          # 5. push to vLLM
+                    feed.settle()                                               # 5. push to vLLM
+                    with wd.collective("weight_push"):
                         weights = export_to_rank0(engine.model)
                         side.push(weights, step) if rank == 0 else sum(1 for _ in weights)
                     push_s = time.monotonic() - t0
                     if rank == 0:                                               # 6. log
-                        m = _step_metrics(trajs, batch.stats, train_metrics, push_s, times)
+                        m = _step_metrics(step, trajs, train_metrics, push_s, times)
                         logger.log(step, m)
                         if bar:
                             bar.set_postfix(reward=f"{m['reward/mean']:.3f}", kl=f"{m.get('mismatch_kl_k3', 0.0):.1e}",
@@ -149,13 +153,14 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
                     if stop or (ck.every and step % ck.every == 0) or (ck.at_end and step == cfg.trainer.steps):
                         with wd.collective("save_checkpoint"):
                             save_checkpoint(run_dir, step, engine.model, engine.optimizer, engine.scheduler,
-                                            {"data": data.state_dict()}, keep_last=ck.keep_last)
+                                            {"data": feed.data_state()}, keep_last=ck.keep_last)
                     if stop:
                         if rank == 0:
                             print(f"[train] preempted: checkpoint of step {step} saved; resume with "
                                   f"`mgrpo train --resume {run_dir}`", flush=True)
                         break
     finally:
+        feed.close()
         preempt.restore()
         if bar:
             bar.close()

@@ -69,6 +69,12 @@ class RolloutConfig:
     "drop_sample" drops that sample whole; "drop_group" drops every sample of its prompt (GRPO
     groups stay complete).  A half-finished conversation never reaches training."""
 
+    overlap: bool = False
+    """One-step off-policy mode: the rollout of step k+1 runs (on the servers, still holding the
+    weights of step k-1) while step k trains; the new weights are pushed once both are done. Each
+    trajectory records its weight version, and the rollout correction (``importance``) absorbs the
+    one-step lag. Off: every step rolls out with the newest weights."""
+
     # ------------------------------------------------------------------ sampling
     num_generations: int = 8
     """Samples (conversations) per prompt: the GRPO group size."""

@@ -70,3 +70,63 @@ class RolloutSide:
                 pass
         if self.server is not None:
             self.server.stop()
+
+
+class RolloutFeed:
+    """Where each step's trajectories come from, the same on every rank.
+
+    Default: step k's prompts are rolled out (rank 0), then trained. With ``rollout.overlap``:
+    step k+1's prompts are taken and their rollout starts on rank 0 in a thread right after step k's
+    trajectories are handed out, so it runs while step k trains; `settle()` waits for it before
+    the weight push (a push pauses the servers and would abort it). A checkpoint saves the data
+    position from before the prefetch, so a resume rolls that batch out again with its weights.
+    """
+
+    def __init__(self, side, data, overlap: bool, rank: int):
+        self.side, self.data, self.overlap, self.rank = side, data, overlap, rank
+        self.pool = None
+        if overlap and rank == 0:
+            from concurrent.futures import ThreadPoolExecutor
+            self.pool = ThreadPoolExecutor(1, thread_name_prefix="rollout")
+        self.future = None
+        self.prefetched_rows = None
+        self.state_before_prefetch = None
+
+    @staticmethod
+    def group_ids(step: int, n: int) -> list[int]:
+        return [step * 10_000 + i for i in range(n)]
+
+    def take(self, step: int, broadcast):
+        """(trajectories, rollout stats or None off rank 0) of `step`."""
+        if self.prefetched_rows is not None:
+            rows, self.prefetched_rows, self.state_before_prefetch = self.prefetched_rows, None, None
+            batch = self.future.result() if self.rank == 0 else None
+            self.future = None
+        else:
+            rows = self.data.next_batch()
+            batch = self.side.rollout(rows, self.group_ids(step, len(rows))) if self.rank == 0 else None
+        trajs = broadcast(batch.trajectories if batch is not None else None)
+        return trajs, (batch.stats if batch is not None else None)
+
+    def prefetch(self, next_step: int) -> None:
+        """With overlap: start rolling out `next_step`'s prompts now (rank 0), in the background."""
+        if not self.overlap:
+            return
+        self.state_before_prefetch = self.data.state_dict()
+        self.prefetched_rows = self.data.next_batch()
+        if self.rank == 0:
+            self.future = self.pool.submit(self.side.rollout, self.prefetched_rows,
+                                           self.group_ids(next_step, len(self.prefetched_rows)))
+
+    def settle(self) -> None:
+        """Wait for a background rollout (rank 0) so that nothing is in flight during a push."""
+        if self.future is not None:
+            self.future.result()
+
+    def data_state(self) -> dict:
+        """The data position to checkpoint: before any prefetched batch."""
+        return self.state_before_prefetch if self.state_before_prefetch is not None else self.data.state_dict()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)

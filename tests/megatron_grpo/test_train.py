@@ -66,3 +66,15 @@ def test_embedded_default_learns_checkpoints_and_resumes(tmp_path):
     assert [x["step"] for x in m2] == list(range(1, REWARD_STEPS + 2))
     assert m2[:REWARD_STEPS] == m
     assert (run / "checkpoints" / "step_00000021").is_dir()
+
+
+@pytest.mark.slow
+def test_one_step_off_policy_overlap(tmp_path):
+    """rollout.overlap: step k+1 rolls out while step k trains, one policy version behind."""
+    run = tmp_path / "overlap"
+    r = _mgrpo("train", "trainer.steps=3", "rollout.overlap=true", "checkpoint.every=0", "checkpoint.at_end=false",
+               f"trainer.run_dir={run}")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    m = _metrics(run)
+    assert [x["rollout/weight_lag"] for x in m] == [0.0, 1.0, 1.0]
+    assert all(x["time/rollout"] < 1.0 for x in m[1:]), [x["time/rollout"] for x in m]
