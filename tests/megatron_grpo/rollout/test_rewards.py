@@ -121,3 +121,9 @@ def test_compute_rewards_bad_functions():
         asyncio.run(R.compute_rewards(t, [("boom", lambda completions, **k: [1 / 0])]))
     with pytest.raises(R.RewardError, match="must accept \\*\\*kwargs"):
         R.check_reward_fn("f", lambda completions: [])
+
+
+def test_answer_chars_shaping_reward():
+    from megatron_grpo.rollout.rewards import answer_chars_reward
+
+    assert answer_chars_reward(["[00:01 - 00:05]", "ab 12", "", "  \n"]) == [1.0, 0.5, 0.0, 0.0]
