@@ -67,6 +67,13 @@ class RolloutRequestError(RolloutServerError):
         self.status = status
 
 
+KEEPALIVE_S = 2.0
+"""Seconds an idle pooled connection is kept. Below vLLM's server-side keep-alive (uvicorn,
+``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``, 5 s by default): with aiohttp's 15 s default the client reused
+connections the server was closing at that moment, and a healthy server showed up as
+"ServerDisconnectedError" (seen on CI, where it used up a request's retries)."""
+
+
 @dataclass
 class AudioItem:
     """One audio clip of a conversation as the server receives it (encoded once, sent every turn)."""
@@ -180,7 +187,8 @@ class RolloutClient:
         self._sem = asyncio.Semaphore(self.cfg.concurrency)
         self._slots = asyncio.Condition()
         headers = {"Authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
-        connector = aiohttp.TCPConnector(limit=max(self.cfg.concurrency, 1) + 8)
+        connector = aiohttp.TCPConnector(limit=max(self.cfg.concurrency, 1) + 8,
+                                         keepalive_timeout=KEEPALIVE_S)
         self._session = aiohttp.ClientSession(headers=headers, connector=connector)
 
     async def close(self) -> None:

@@ -37,6 +37,7 @@ class FakeServer:
         self.hits = 0
         self.inflight = 0
         self.max_inflight = 0
+        self.peers = []
 
     async def models(self, request):
         return web.json_response({"data": [{"id": "fake", "max_model_len": 100}]})
@@ -44,6 +45,7 @@ class FakeServer:
     async def generate(self, request):
         data = await request.json()
         self.hits += 1
+        self.peers.append(request.transport.get_extra_info("peername"))
         self.inflight += 1
         self.max_inflight = max(self.max_inflight, self.inflight)
         try:
@@ -119,6 +121,27 @@ def test_ok_result_parsed():
     res = asyncio.run(_with_servers([fake], _gen))
     assert res.token_ids == [5, 6] and res.logprobs == [-0.5, -1.5] and res.prompt_token_ids == [1, 2, 3]
     assert res.weight_version == "3" and res.finish_reason == "stop" and res.url == fake.url
+
+
+def test_idle_connection_not_reused_past_server_keepalive():
+    """A pooled connection idle for longer than KEEPALIVE_S is not reused: vLLM's server closes idle
+    connections after VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s), and reusing one it is closing at that
+    moment fails a request on a healthy server. Two requests 1.5*KEEPALIVE_S apart must use two
+    connections (aiohttp's default pool would reuse the first)."""
+    from vllm import envs
+
+    from megatron_grpo.rollout.client import KEEPALIVE_S
+
+    assert KEEPALIVE_S < envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE
+    fake = FakeServer()
+
+    async def go(c):
+        await _gen(c)
+        await _gen(c)           # back to back: the pooled connection is reused
+        await asyncio.sleep(1.5 * KEEPALIVE_S)
+        await _gen(c)           # after an idle gap: a fresh connection
+    asyncio.run(_with_servers([fake], go))
+    assert fake.peers[0] == fake.peers[1] and fake.peers[2] != fake.peers[1], fake.peers
 
 
 def test_retry_then_success():
