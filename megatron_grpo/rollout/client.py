@@ -245,14 +245,18 @@ class RolloutClient:
 
     def _pick(self, prefer: Optional[str], exclude: set) -> Optional[_Server]:
         """The least-loaded server with a free slot (None: all full): not ``exclude``d unless all
-        are, healthy ones before ones whose last request failed, ``prefer`` within the slack."""
+        are, healthy ones before ones whose last request failed (if none: the fewest failures in a row),
+        ``prefer`` within the slack."""
         cands = [s for s in self.servers if s.url not in exclude] or list(self.servers)
         cands = [s for s in cands if self._free(s)]
         if not cands:
             return None
         now = time.monotonic()
         healthy = [s for s in cands if s.failures == 0 or
-                   now - s.last_failure > min(_RECOVER_MAX_S, _RECOVER_S * s.failures)] or cands
+                   now - s.last_failure > min(_RECOVER_MAX_S, _RECOVER_S * s.failures)]
+        if not healthy:  # all failed lately: the one with the fewest failures in a row (a dead server
+            fewest = min(s.failures for s in cands)  # piles up failures, a hiccup has one)
+            healthy = [s for s in cands if s.failures == fewest]
         least = min(s.inflight for s in healthy)
         if prefer is not None:
             for s in healthy:

@@ -211,6 +211,17 @@ def test_abort_is_retried():
     assert res.token_ids == [5, 6] and fake.hits == 2
 
 
+def test_all_failed_picks_server_with_fewest_failures():
+    """Both servers failed lately (one is dead, one had a hiccup): a retry goes to the one with fewer
+    failures in a row, every time -- not round-robin (a CI run lost a request to the dead one)."""
+    c = RolloutClient(_cfg(["http://127.0.0.1:1", "http://127.0.0.1:2"]))
+    dead, hiccup = c.servers
+    dead.failures, hiccup.failures = 3, 1
+    dead.last_failure = hiccup.last_failure = time.monotonic()
+    picks = {c._pick(None, {dead.url, hiccup.url}).url for _ in range(6)}
+    assert picks == {hiccup.url}
+
+
 def test_failover_to_other_server():
     good = FakeServer()
     bad = FakeServer(lambda n, d: "503")
