@@ -46,10 +46,24 @@ Outputs under ``--out``: ``bench_layers.json`` (every number, the environment, t
 
 Targets: ours >= 1.8x HF bs1 useful tok/s, >= 85% of the kernel ceiling, peak memory <= HF's.
 
-``--ep E`` > 1 starts E processes (one GPU each, NCCL): expert parallel over E GPUs, every rank
-with its own micro-batch of the same distribution; only ours runs and per-GPU throughput is
-reported. ``--tiny`` shrinks the geometry so the whole benchmark runs on a CPU (a smoke test of
-this script: kernel ceilings and timings are then meaningless).
+``--ep N`` > 1 (ours only) runs twice in one invocation: first an **EP1 baseline** (one process
+on GPU 0, all experts, rank 0's micro-batch), then **EP-N**: N processes (``run_ranks``, rank r on
+GPU r, NCCL; gloo with ``--device cpu``), each holding ``E / N`` experts (megatron's all-to-all
+token dispatcher), each with its own micro-batch of the *same size* as the EP1 one (the documented
+lengths in a per-rank seeded order, token ids drawn per rank: :func:`rank_lengths`). Reported per
+rank: tok/s and useful TFLOP/s per GPU, step time, peak memory, and the ratio to the EP1 baseline
+(target: per-GPU tok/s >= ``TARGET_EP_VS_EP1`` = 0.9x EP1). A numerical check rides along: the
+EP1 baseline also evaluates the loss on every EP rank's micro-batch, and each EP rank's loss on its
+own micro-batch must equal it (``per_rank[r].loss_rel_diff``, relative to ``sum |out * R|``): the
+sharded experts are the same experts. Every rank prints rank-prefixed, flushed progress lines;
+each phase (init, build, steps, ...) is armed on a ``megatron_grpo.guard.Watchdog``
+(``--hang-timeout``, default 300 s) that dumps the stuck rank's stacks into ``--out`` and ends it,
+whereupon ``run_ranks`` stops the others; the process-group timeout is a little longer than that.
+Profiles of EP runs go to ``bench_layers_ep{N}_profile_rank{r}.txt`` (one per rank).
+
+``--tiny`` shrinks the geometry so the whole benchmark runs on a CPU (a smoke test of this script:
+kernel ceilings and timings are then meaningless); ``--tiny --device cpu --ep 2 --dtype fp32`` is
+the EP path on gloo that ``tests/launch/test_bench_layers_ep.py`` checks.
 """
 from __future__ import annotations
 
@@ -65,12 +79,15 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["DEFAULT_LENGTHS", "lengths_for", "geometry", "useful_flops", "run_bench", "add_parser"]
+__all__ = ["DEFAULT_LENGTHS", "lengths_for", "rank_lengths", "geometry", "useful_flops", "probe_losses", "run_bench",
+           "add_parser"]
 
 DEFAULT_LENGTHS = [2814, 1536, 376, 1902, 1108, 2290, 744, 1650, 980, 2047, 612, 1420, 1764, 1233, 858, 1466]
 """Tokens of the 16 trajectories of the default batch (sum 22,800); see the module docstring."""
 TARGET_VS_HF_BS1 = 1.8
 TARGET_VS_CEILING = 0.85
+TARGET_EP_VS_EP1 = 0.9
+"""``--ep N``: per-GPU useful tok/s at least this fraction of EP1's."""
 
 
 def lengths_for(total: int | None, base=DEFAULT_LENGTHS) -> list[int]:
@@ -302,25 +319,60 @@ def pack_by_budget(lengths: list[int], budget: int | None) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
-def run_ours(model, spec, ids: list, probe, norm_w, device, warmup: int, iters: int, profile_path=None,
-             capture_counts: bool = False, groups: list[list[int]] | None = None) -> dict:
-    """fwd+bwd of the packed batch (``groups``: micro-batches of sample indices, grads accumulated)."""
+def _micro_batches(spec, ids: list, probe, device, groups: list[list[int]] | None = None) -> list[tuple]:
+    """``(sample indices, lengths, cu_seqlens, tokens [1, T], MRoPE positions, probe rows)`` per
+    micro-batch (``groups``: sample indices per micro-batch; default one micro-batch of all)."""
     import torch
-    from megatron.core.packed_seq_params import PackedSeqParams
 
     from model_bridge.modeling.thinker import mrope_position_ids
 
     lens_all = [int(x.numel()) for x in ids]
     starts = [0] + list(torch.tensor(lens_all).cumsum(0).tolist())
-    groups = groups or [list(range(len(ids)))]
     mbs = []
-    for grp in groups:
+    for grp in groups or [list(range(len(ids)))]:
         lens = [lens_all[i] for i in grp]
         cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32, device=device)
         tokens = torch.cat([ids[i] for i in grp]).unsqueeze(0)
         pos = mrope_position_ids(tokens, spec, cu_seqlens=cu.cpu()).unsqueeze(1).to(device)
         pr = torch.cat([probe[starts[i]:starts[i + 1]] for i in grp])
         mbs.append((grp, lens, cu, tokens, pos, pr))
+    return mbs
+
+
+def _forward_mb(model, mb: tuple, norm_w):
+    """Final-normed hidden states ``[T, h]`` of one micro-batch from :func:`_micro_batches`."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    _, lens, cu, tokens, pos, _ = mb
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens),
+                          max_seqlen_kv=max(lens))
+    hidden = model(tokens, pos, psp)  # [T, 1, h]
+    return _rms_norm(hidden[:, 0], norm_w)
+
+
+def probe_losses(model, spec, ids: list, probe, norm_w, device) -> dict:
+    """Forward only (training mode, no grad) of the whole batch as one micro-batch: the bench's loss
+    ``sum(out * R)``, its scale ``sum(|out * R|)`` and ``sum(out^2)`` (fp32 sums, Python floats).
+    The EP-N run compares these per rank with the EP1 model's on the same tokens."""
+    import torch
+
+    (mb,) = _micro_batches(spec, ids, probe, device)
+    with torch.no_grad():
+        out = _forward_mb(model, mb, norm_w).float()
+        lo = out * mb[5].float()
+        return {"loss": lo.sum().item(), "loss_scale": lo.abs().sum().item(), "sumsq": out.pow(2).sum().item()}
+
+
+def run_ours(model, spec, ids: list, probe, norm_w, device, warmup: int, iters: int, profile_path=None,
+             capture_counts: bool = False, groups: list[list[int]] | None = None, barrier=None) -> dict:
+    """fwd+bwd of the packed batch (``groups``: micro-batches of sample indices, grads accumulated).
+
+    Every rank of an EP run must call this with the same arguments apart from the data (same
+    warmup/iters, ``profile_path`` given on all ranks or on none): each step is collective.
+    ``barrier`` (a callable) lines the ranks up before the timed steps."""
+    import torch
+
+    mbs = _micro_batches(spec, ids, probe, device, groups)
     counts = []
     hooks = []
     if capture_counts:
@@ -338,10 +390,7 @@ def run_ours(model, spec, ids: list, probe, norm_w, device, warmup: int, iters: 
         norm_w.grad = None
         outs = {}
         for grp, lens, cu, tokens, pos, pr in mbs:
-            psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens),
-                                  max_seqlen_kv=max(lens))
-            hidden = model(tokens, pos, psp)  # [T, 1, h]
-            out = _rms_norm(hidden[:, 0], norm_w)
+            out = _forward_mb(model, (grp, lens, cu, tokens, pos, pr), norm_w)
             (out.float() * pr).sum().backward()
             if keep:
                 off = 0
@@ -353,6 +402,8 @@ def run_ours(model, spec, ids: list, probe, norm_w, device, warmup: int, iters: 
     first = step(keep=True)
     for h in hooks:
         h.remove()
+    if barrier is not None:
+        barrier()
     times = _time_steps(step, device, warmup, iters)
     res = {"step_s": times, "output": first, "expert_counts": counts,
            "micro_batch_tokens": [sum(m[1]) for m in mbs]}
@@ -450,7 +501,7 @@ def kernel_ceiling(g: dict, lengths: list[int], counts_per_layer: list[list[int]
         return {"note": "kernel ceiling needs CUDA (varlen_attn)"}
     from torch.nn.attention.varlen import varlen_attn
 
-    from model_bridge.modeling.attention import _varlen_params
+    from model_bridge.modeling.attention import varlen_kwargs
 
     h, q, kv, d, E, F_ = g["hidden"], g["heads"], g["kv_heads"], g["head_dim"], g["experts"], g["ffn"]
     T = sum(lengths)
@@ -479,17 +530,10 @@ def kernel_ceiling(g: dict, lengths: list[int], counts_per_layer: list[list[int]
         gmm_times.append(_bench_fn(gmm, device))
         del x, a, g1, g2
     # attention
-    params = _varlen_params()
-    kw = {"scale": 1.0 / math.sqrt(d)}
-    if "window_size" in params:
-        kw["window_size"] = (-1, 0)
-    else:
-        kw["is_causal"] = True
-    if "enable_gqa" in params:
-        kw["enable_gqa"] = True
     cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32, device=device)
     qq, kk, vv = rnd(T, q, d), rnd(T, kv, d), rnd(T, kv, d)
     go = rnd(T, q, d, grad=False)
+    kw = varlen_kwargs(qq, kk, causal=True, scale=1.0 / math.sqrt(d))  # the model's own arguments
 
     def attn():
         o = varlen_attn(qq, kk, vv, cu, cu, max(lengths), max(lengths), **kw)
@@ -547,68 +591,151 @@ def _env(device) -> dict:
     return env
 
 
+def rank_lengths(lengths: list[int], rank: int, seed: int) -> list[int]:
+    """Rank ``rank``'s samples in an ``--ep N`` run: the documented lengths in a seeded per-rank
+    order (rank 0: as documented). Every GPU packs the same number of tokens from the same length
+    distribution as the EP1 run (the same per-GPU micro-batch); token ids are drawn per rank."""
+    if rank == 0:
+        return list(lengths)
+    import random
+
+    order = list(range(len(lengths)))
+    random.Random(seed * 7919 + rank).shuffle(order)
+    return [lengths[i] for i in order]
+
+
+def _base_lengths(tokens: int | None, tiny: bool) -> list[int]:
+    if tiny and not tokens:
+        return [max(8, n // 40) for n in DEFAULT_LENGTHS]
+    return lengths_for(tokens)
+
+
+_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+
+
+def _logger(tag: str, rank: int):
+    """Progress lines from every rank, rank-prefixed and flushed at once (a silent rank is a hang)."""
+    prefix = f"[bench layers{' ' + tag if tag else ''} rank {rank}]"
+
+    def log(msg: str) -> None:
+        print(f"{prefix} {msg}", flush=True)
+
+    return log
+
+
+def _pg_timeout_minutes(hang_timeout_s: float) -> int:
+    """Process-group (NCCL/gloo) timeout: longer than the watchdog's, so the watchdog names the stuck
+    phase first (guard.py)."""
+    return int(math.ceil(hang_timeout_s / 60.0)) + 2
+
+
 def _rank_main(out_dir: str, layers: int, tokens, ep: int, tiny: bool, systems: list[str], warmup: int,
-               iters: int, seed: int, device_name: str, mb_tokens: int | None = None):
+               iters: int, seed: int, device_name: str, mb_tokens: int | None = None, dtype_name: str = "bf16",
+               loss_batches: int = 0, hang_timeout_s: float = 300.0, ceiling: bool = True, tag: str = "") -> dict:
+    """One rank of one run (``ep`` ranks; rank r on GPU r). Every rank executes the same sequence of
+    collective steps whatever its data: nothing below is conditional on the rank except logging
+    and the kernel ceiling (which runs only in single-rank runs). Each phase is armed on a
+    :class:`megatron_grpo.guard.Watchdog`: a phase that runs past ``hang_timeout_s`` dumps this
+    rank's stacks (``hang-rank{R}-step{S}.txt`` under ``out_dir`` and stderr) and exits, and
+    ``run_ranks`` then stops the other ranks. ``loss_batches`` > 0 (the EP1 baseline of an EP run):
+    also return :func:`probe_losses` on the micro-batches of ranks 0..loss_batches-1."""
     import torch
 
-    from model_bridge.config import parse_omni_config
-    from model_bridge.parallel import destroy_parallel, init_parallel
+    from megatron_grpo.guard import Watchdog
 
-    device = torch.device(device_name)
-    dtype = torch.bfloat16
+    rank = int(os.environ.get("RANK", "0"))
+    log = _logger(tag, rank)
+    out = Path(out_dir)
+    wd = Watchdog(hang_timeout_s, out, rank=rank, first_step_timeout_s=hang_timeout_s)
+    phase = iter(range(1000))
+    with wd:
+        with wd.step(next(phase), what="init_process_group + megatron parallel state"), wd.collective("init"):
+            log(f"pid {os.getpid()}: init {'nccl' if device_name == 'cuda' else 'gloo'} process group "
+                f"(world {ep}) and megatron parallel state")
+            from model_bridge.parallel import init_parallel
+
+            init_parallel(ep=ep, seed=seed, timeout_minutes=_pg_timeout_minutes(hang_timeout_s))
+        return _rank_run(out, layers, tokens, ep, tiny, systems, warmup, iters, seed, device_name, mb_tokens,
+                         getattr(torch, _DTYPES[dtype_name]), loss_batches, ceiling, log, wd, phase)
+
+
+def _rank_run(out: Path, layers, tokens, ep, tiny, systems, warmup, iters, seed, device_name, mb_tokens, dtype,
+              loss_batches, ceiling, log, wd, phase) -> dict:
+    import contextlib
+
+    import torch
+    import torch.distributed as dist
+
+    from model_bridge.config import parse_omni_config
+    from model_bridge.parallel import destroy_parallel
+
+    rank = dist.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device()) if device_name == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
-    init_parallel(ep=ep, seed=seed)
-    rank = torch.distributed.get_rank()
-    out = Path(out_dir)
+
+    def armed(what: str):
+        stack = contextlib.ExitStack()
+        stack.enter_context(wd.step(next(phase), what=what))
+        stack.enter_context(wd.collective(what))
+        return stack
+
     g = geometry(layers, tiny)
-    lengths = lengths_for(tokens)
-    if tiny and not tokens:
-        lengths = [max(8, n // 40) for n in DEFAULT_LENGTHS]
+    base_lengths = _base_lengths(tokens, tiny)
+    lengths = rank_lengths(base_lengths, rank, seed)
     cfg = omni_config(g)
     spec = parse_omni_config(cfg, where="bench")
     T = sum(lengths)
     fl = useful_flops(lengths, g)
     ids, probe = make_batch(lengths, g["vocab"], g["hidden"], device, seed + 1 + rank)
-    res = {"geometry": g, "lengths": lengths, "tokens": T, "flops": fl, "ep": ep, "env": _env(device),
-           "systems": {}, "dtype": "bfloat16"}
-    log = print if rank == 0 else (lambda *a, **k: None)
-    log(f"[bench layers] {layers} layers, {len(lengths)} samples, {T} tokens, ep={ep}, "
-        f"{fl['total_fwd_bwd'] / 1e12:.2f} useful TFLOP per step, device {res['env'].get('gpu', device)}")
+    res = {"geometry": g, "lengths": lengths, "tokens": T, "flops": fl, "ep": ep, "rank": rank,
+           "local_experts": g["experts"] // ep, "env": _env(device), "systems": {}, "dtype": str(dtype).split(".")[-1]}
+    log(f"{layers} layers, {len(lengths)} samples, {T} tokens on this rank, ep={ep} ({g['experts'] // ep} of "
+        f"{g['experts']} experts here), {fl['total_fwd_bwd'] / 1e12:.2f} useful TFLOP per step, "
+        f"device {res['env'].get('gpu', device)}")
 
-    # one set of weights: an HF model (its own init), copied into the megatron models
-    t0 = time.perf_counter()
-    _mem_reset(device)
-    hf, impl = build_hf(cfg, device, dtype, seed)
-    res["hf_impl"] = impl
-    tensors = hf_state_as_checkpoint(hf, g["hidden"], g["ffn"])
-    norm_w = hf.norm.weight.detach().clone().requires_grad_()
-    log(f"[bench layers] HF model built ({impl}) in {time.perf_counter() - t0:.1f} s")
+    # one set of weights: an HF model (its own init, same seed on every rank), copied into the megatron models
+    with armed("build HF weights"):
+        t0 = time.perf_counter()
+        _mem_reset(device)
+        hf, impl = build_hf(cfg, device, dtype, seed)
+        res["hf_impl"] = impl
+        tensors = hf_state_as_checkpoint(hf, g["hidden"], g["ffn"])
+        norm_w = hf.norm.weight.detach().clone().requires_grad_()
+        log(f"HF model built ({impl}) in {time.perf_counter() - t0:.1f} s")
     hf_out = None
     if ep == 1:
         for name, bs in (("hf_bs1", 1), ("hf_bs4", 4)):
             if name not in systems:
                 continue
-            _mem_reset(device)
-            r = run_hf(hf, ids, probe, device, bs, warmup, iters, keep_output=(bs == 1))
+            with armed(f"{name} steps"):
+                _mem_reset(device)
+                r = run_hf(hf, ids, probe, device, bs, warmup, iters, keep_output=(bs == 1))
             if bs == 1:
                 hf_out = r["output"]
             res["systems"][name] = _summary(name, r["step_s"], T, fl["total_fwd_bwd"], _peak_gib(device),
                                             {"padded_tokens": r["padded_tokens"], **impl})
-            log(f"[bench layers] {name}: {res['systems'][name]['tok_per_s']:.0f} tok/s, "
-                f"{res['systems'][name]['useful_tflops']:.1f} TFLOP/s, peak {res['systems'][name]['peak_mem_gib']}")
+            s = res["systems"][name]
+            log(f"{name}: {s['tok_per_s']:.0f} tok/s, {s['useful_tflops']:.1f} TFLOP/s, peak {s['peak_mem_gib']}")
     del hf
     counts = None
     for name, backend, budget in (("ours", "torch", None), ("ours_mb", "torch", mb_tokens),
                                   ("mcore_local", "local", None)):
         if name not in systems or (ep > 1 and name != "ours"):
             continue
-        _mem_reset(device)
-        model = build_megatron(spec, ep, backend, dtype, device, tensors)
+        with armed(f"build {name}"):
+            _mem_reset(device)
+            model = build_megatron(spec, ep, backend, dtype, device, tensors)
+            log(f"{name}: megatron model built ({backend} backend)")
         n_it = iters if backend == "torch" else max(2, iters // 3)
-        r = run_ours(model, spec, ids, probe, norm_w, device, warmup if backend == "torch" else 1, n_it,
-                     profile_path=(out / "bench_layers_profile.txt") if name == "ours" and rank == 0 else None,
-                     capture_counts=(name == "ours"), groups=pack_by_budget(lengths, budget))
+        profile = None
+        if name == "ours":
+            profile = out / (f"bench_layers_ep{ep}_profile_rank{rank}.txt" if ep > 1 else "bench_layers_profile.txt")
+        with armed(f"{name}: first step, {warmup} warm-up and {n_it} timed fwd+bwd steps"
+                   + (", profile" if profile is not None and device.type == "cuda" else "")):
+            r = run_ours(model, spec, ids, probe, norm_w, device, warmup if backend == "torch" else 1, n_it,
+                         profile_path=profile, capture_counts=(name == "ours"), groups=pack_by_budget(lengths, budget),
+                         barrier=dist.barrier if ep > 1 else None)
         peak = _peak_gib(device)
         extra = {"backend": backend, "micro_batch_tokens": r["micro_batch_tokens"]}
         if hf_out is not None:
@@ -618,21 +745,36 @@ def _rank_main(out_dir: str, layers: int, tokens, ep: int, tiny: bool, systems: 
             counts = r["expert_counts"]
             extra["host_syncs_per_step"] = r.get("host_syncs")
             extra["expert_tokens_per_layer_min_max"] = [[min(c), max(c)] for c in counts]
+            if ep > 1:
+                extra["local_experts"] = g["experts"] // ep
+            if ep > 1 or loss_batches:
+                # EP-N: this rank's micro-batch; the EP1 baseline: the micro-batch of each EP-N rank
+                batches = [(ids, probe)] + [make_batch(rank_lengths(base_lengths, b, seed), g["vocab"], g["hidden"],
+                                                       device, seed + 1 + b) for b in range(1, loss_batches)]
+                with armed(f"probe losses on {len(batches)} micro-batch(es)"):
+                    res["losses"] = [probe_losses(model, spec, bi, bp, norm_w, device) for bi, bp in batches]
+                log(f"probe losses {[x['loss'] for x in res['losses']]}")
         res["systems"][name] = _summary(name, r["step_s"], T, fl["total_fwd_bwd"], peak, extra)
         s = res["systems"][name]
-        log(f"[bench layers] {name}: {s['tok_per_s']:.0f} tok/s, {s['useful_tflops']:.1f} TFLOP/s, "
-            f"peak {peak} GiB, micro-batches {r['micro_batch_tokens']}, rel diff vs HF {extra.get('rel_diff_vs_hf_bs1')}"
-            + (f", host syncs/step {extra['host_syncs_per_step']}" if extra.get("host_syncs_per_step") else ""))
+        log(f"{name}: {s['tok_per_s']:.0f} tok/s, {s['useful_tflops']:.1f} TFLOP/s, step "
+            f"{s['step_s_median'] * 1e3:.1f} ms, peak {peak} GiB, micro-batches {r['micro_batch_tokens']}, "
+            f"rel diff vs HF {extra.get('rel_diff_vs_hf_bs1')}"
+            + (f", host syncs/step {extra['host_syncs_per_step']['total']}" if extra.get("host_syncs_per_step") else ""))
         del model, r
     _mem_reset(device)
-    if counts and rank == 0:
-        ceil = kernel_ceiling(g, lengths, counts, device, dtype)
+    if ceiling and counts and dist.get_world_size() == 1:
+        with armed("kernel ceiling"):
+            ceil = kernel_ceiling(g, lengths, counts, device, dtype)
         res["kernel_ceiling"] = ceil
         if "total_s" in ceil:
             res["kernel_ceiling"]["useful_tflops"] = fl["total_fwd_bwd"] / ceil["total_s"] / 1e12
             res["kernel_ceiling"]["tok_per_s"] = T / ceil["total_s"]
     res["ratios"] = _ratios(res)
-    destroy_parallel()
+    with armed("destroy process group"):
+        if dist.get_world_size() > 1:
+            dist.barrier()
+        destroy_parallel()
+    log("done")
     return res
 
 
@@ -678,22 +820,28 @@ def _plot(res: dict, path: Path) -> None:
     except Exception:  # noqa: BLE001 - no matplotlib: JSON only
         return
     s = res["systems"]
-    names = [n for n in ("ours", "ours_mb", "hf_bs1", "hf_bs4", "mcore_local") if n in s]
+    order = ("ours", "ours_mb", "hf_bs1", "hf_bs4", "mcore_local")
+    names = [n for n in order if n in s] + [n for n in s if n not in order]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     axes[0].bar(names, [s[n]["tok_per_s"] / 1e3 for n in names], color="tab:blue")
-    axes[0].set_ylabel("useful k tok/s")
+    axes[0].set_ylabel("useful k tok/s" + (" per GPU" if res.get("ep", 1) > 1 else ""))
+    if res.get("ep", 1) > 1 and "ours_ep1" in s:
+        t = TARGET_EP_VS_EP1 * s["ours_ep1"]["tok_per_s"] / 1e3
+        axes[0].axhline(t, color="k", ls="--", label=f"target {TARGET_EP_VS_EP1}x EP1")
+        axes[0].legend()
     axes[1].bar(names, [s[n]["useful_tflops"] for n in names], color="tab:green")
     kc = res.get("kernel_ceiling", {})
     if "useful_tflops" in kc:
         axes[1].axhline(kc["useful_tflops"], color="k", ls="--", label=f"kernel ceiling {kc['useful_tflops']:.0f}")
         axes[1].legend()
-    axes[1].set_ylabel("useful TFLOP/s")
+    axes[1].set_ylabel("useful TFLOP/s" + (" per GPU" if res.get("ep", 1) > 1 else ""))
     mem = [s[n]["peak_mem_gib"] or 0 for n in names]
     axes[2].bar(names, mem, color="tab:red")
     axes[2].set_ylabel("peak GiB")
     g = res["geometry"]
-    fig.suptitle(f"{g['layers']} thinker layers, {len(res['lengths'])} samples / {res['tokens']} tokens, fwd+bwd bf16"
-                 f" ({res['env'].get('gpu', 'cpu')})")
+    per = " per GPU" if res.get("ep", 1) > 1 else ""
+    fig.suptitle(f"{g['layers']} thinker layers, {len(res['lengths'])} samples / {res['tokens']} tokens{per}, "
+                 f"fwd+bwd {res.get('dtype', 'bfloat16')}, EP {res.get('ep', 1)} ({res['env'].get('gpu', 'cpu')})")
     for ax in axes:
         ax.tick_params(axis="x", rotation=15)
     fig.tight_layout()
@@ -701,25 +849,79 @@ def _plot(res: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _merge_ep(base: dict, values: list[dict], ep: int) -> dict:
+    """The JSON of an ``--ep N`` run from the EP1 baseline's result and the N ranks' results."""
+    b = base["systems"]["ours"]
+    per_rank = []
+    for r, v in enumerate(values):
+        s = v["systems"]["ours"]
+        mine, ref = v["losses"][0], base["losses"][r]
+        per_rank.append({
+            "rank": r, "tokens": v["tokens"], "local_experts": v["local_experts"], "tok_per_s": s["tok_per_s"],
+            "useful_tflops": s["useful_tflops"], "step_s_median": s["step_s_median"],
+            "peak_mem_gib": s["peak_mem_gib"], "tok_per_s_vs_ep1": s["tok_per_s"] / b["tok_per_s"],
+            "loss": mine["loss"], "loss_ep1": ref["loss"],
+            "loss_rel_diff": abs(mine["loss"] - ref["loss"]) / max(ref["loss_scale"], 1e-30),
+            "sumsq_rel_diff": abs(mine["sumsq"] - ref["sumsq"]) / max(ref["sumsq"], 1e-30)})
+    res = {k: v for k, v in values[0].items() if k not in ("systems", "losses", "ratios", "rank")}
+    res["lengths_per_rank"] = [v["lengths"] for v in values]
+    res["systems"] = {"ours_ep1": b, **{f"ours_ep{ep}_rank{r}": v["systems"]["ours"] for r, v in enumerate(values)}}
+    res["ep1_baseline"] = {"lengths": base["lengths"], "tokens": base["tokens"], "losses": base["losses"],
+                           "env": base["env"]}
+    res["per_rank"] = per_rank
+    tps = [p["tok_per_s"] for p in per_rank]
+    peaks = [p["peak_mem_gib"] for p in per_rank]
+    mean_ratio = statistics.mean(tps) / b["tok_per_s"]
+    res["ratios"] = {
+        f"ep{ep}_vs_ep1_per_gpu_tok_s": mean_ratio,
+        f"ep{ep}_vs_ep1_per_gpu_tok_s_slowest_rank": min(tps) / b["tok_per_s"],
+        f"ep{ep}_vs_ep1_peak_mem": (max(peaks) / b["peak_mem_gib"]) if b["peak_mem_gib"] and all(peaks) else None,
+        "loss_rel_diff_max": max(p["loss_rel_diff"] for p in per_rank),
+        "targets": {f"ep{ep}_per_gpu_tok_s>={TARGET_EP_VS_EP1}x_ep1": mean_ratio >= TARGET_EP_VS_EP1},
+    }
+    return res
+
+
 def run_bench(out_dir, layers: int = 2, tokens: int | None = None, ep: int = 1, tiny: bool = False,
               systems=("ours", "ours_mb", "hf_bs1", "hf_bs4", "mcore_local"), warmup: int = 2, iters: int = 6,
-              seed: int = 0, device: str | None = None, mb_tokens: int = 4096) -> dict:
-    """Run the benchmark (module docstring); returns rank 0's results and writes them under out_dir."""
+              seed: int = 0, device: str | None = None, mb_tokens: int = 4096, dtype: str = "bf16",
+              hang_timeout_s: float = 300.0, timeout_s: float = 1800.0) -> dict:
+    """Run the benchmark (module docstring); write ``bench_layers.json`` / ``.png`` under out_dir and
+    return the JSON's content. ``--ep N`` > 1: the EP1 baseline (one rank, GPU 0) then the N-rank run."""
     import torch
 
     from megatron_grpo.testing.dist import run_ranks
 
+    if dtype not in _DTYPES:
+        raise SystemExit(f"--dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if ep > 1 and device == "cuda" and torch.cuda.device_count() < ep:
         raise SystemExit(f"--ep {ep} needs {ep} GPUs, this machine has {torch.cuda.device_count()}")
+    env = {"PYTHONUNBUFFERED": "1"}
+    if device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # gloo, even on a GPU machine
+    elif "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ:
+        env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"  # a timed-out collective aborts its rank
     t0 = time.time()
-    values = run_ranks(_rank_main, ep, str(out), layers, tokens, ep, tiny, list(systems), warmup, iters, seed,
-                       device, mb_tokens, timeout=3600)
-    res = values[0]
-    if ep > 1:
-        res["per_rank_tok_per_s"] = [v["systems"]["ours"]["tok_per_s"] for v in values]
+
+    def launch(world: int, run_systems, loss_batches: int, ceiling: bool, tag: str) -> list[dict]:
+        print(f"[bench layers] starting {world} rank(s) ({tag or 'ep1'}, {device}); progress lines come from every "
+              f"rank; a phase longer than {hang_timeout_s:.0f} s dumps stacks under {out} and stops the run",
+              flush=True)
+        return run_ranks(_rank_main, world, str(out), layers, tokens, world, tiny, list(run_systems), warmup, iters,
+                         seed, device, mb_tokens, dtype, loss_batches, hang_timeout_s, ceiling, tag,
+                         timeout=timeout_s, env=env)
+
+    if ep == 1:
+        res = launch(1, systems, 0, True, "")[0]
+    else:
+        if [x for x in systems if x != "ours"]:
+            print(f"[bench layers] --ep {ep}: only 'ours' runs (EP1 baseline and EP{ep}); ignoring "
+                  f"{[x for x in systems if x != 'ours']}", flush=True)
+        base = launch(1, ["ours"], ep, False, "ep1")[0]
+        res = _merge_ep(base, launch(ep, ["ours"], 0, False, f"ep{ep}"), ep)
     res["wall_s"] = time.time() - t0
     argv = sys.argv[3:] if sys.argv[1:3] == ["bench", "layers"] else sys.argv[1:]
     res["command"] = " ".join(["mgrpo", "bench", "layers", *argv])
@@ -733,20 +935,26 @@ def run_bench(out_dir, layers: int = 2, tokens: int | None = None, ep: int = 1, 
 
 def _print_table(res: dict) -> None:
     s = res["systems"]
-    print(f"\n{'system':<12} {'tok/s':>10} {'TFLOP/s':>9} {'step ms':>9} {'peak GiB':>9}")
+    w = max([12] + [len(n) for n in s])
+    print(f"\n{'system':<{w}} {'tok/s':>10} {'TFLOP/s':>9} {'step ms':>9} {'peak GiB':>9}")
     for n, v in s.items():
         pk = f"{v['peak_mem_gib']:.1f}" if v["peak_mem_gib"] is not None else "-"
-        print(f"{n:<12} {v['tok_per_s']:>10.0f} {v['useful_tflops']:>9.1f} {v['step_s_median'] * 1e3:>9.1f} {pk:>9}")
+        print(f"{n:<{w}} {v['tok_per_s']:>10.0f} {v['useful_tflops']:>9.1f} {v['step_s_median'] * 1e3:>9.1f} {pk:>9}")
     kc = res.get("kernel_ceiling", {})
     if "total_s" in kc:
-        print(f"{'ceiling':<12} {kc['tok_per_s']:>10.0f} {kc['useful_tflops']:>9.1f} {kc['total_s'] * 1e3:>9.1f}")
+        print(f"{'ceiling':<{w}} {kc['tok_per_s']:>10.0f} {kc['useful_tflops']:>9.1f} {kc['total_s'] * 1e3:>9.1f}")
+    for p in res.get("per_rank", []):
+        print(f"rank {p['rank']}: {p['tokens']} tokens, {p['local_experts']} local experts, "
+              f"{p['tok_per_s_vs_ep1']:.3f}x EP1 tok/s; probe loss {p['loss']:.6g} vs EP1 {p['loss_ep1']:.6g} "
+              f"(rel diff {p['loss_rel_diff']:.2e}, sum sq rel diff {p['sumsq_rel_diff']:.2e})")
     print("ratios:", json.dumps(res["ratios"], indent=None, default=str))
 
 
 def _cmd(args: argparse.Namespace) -> int:
     systems = [x for x in args.systems.split(",") if x]
     run_bench(args.out, layers=args.layers, tokens=args.tokens, ep=args.ep, tiny=args.tiny, systems=systems,
-              warmup=args.warmup, iters=args.iters, seed=args.seed, device=args.device, mb_tokens=args.mb_tokens)
+              warmup=args.warmup, iters=args.iters, seed=args.seed, device=args.device, mb_tokens=args.mb_tokens,
+              dtype=args.dtype, hang_timeout_s=args.hang_timeout, timeout_s=args.timeout)
     return 0
 
 
@@ -756,7 +964,9 @@ def add_parser(bsub) -> argparse.ArgumentParser:
     s.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
     s.add_argument("--tokens", type=int, default=None,
                    help="total tokens of the batch (default: the documented 16-sample batch, 22,800 tokens)")
-    s.add_argument("--ep", type=int, default=1, help="expert-parallel GPUs (> 1: ours only, per-GPU throughput)")
+    s.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel ranks (> 1: ours only; an EP1 baseline on GPU 0, then N ranks with their "
+                        "own micro-batch each: per-GPU throughput, ratio to EP1, per-rank loss check)")
     s.add_argument("--out", default="bench_results/layers", help="results directory (JSON, PNG, profile)")
     s.add_argument("--systems", default="ours,ours_mb,hf_bs1,hf_bs4,mcore_local",
                    help="comma-separated subset of ours,ours_mb,hf_bs1,hf_bs4,mcore_local")
@@ -768,6 +978,11 @@ def add_parser(bsub) -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     s.add_argument("--tiny", action="store_true", help="tiny geometry: a CPU smoke test of this script")
+    s.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES), help="weights and activations (default bf16)")
+    s.add_argument("--hang-timeout", type=float, default=300.0,
+                   help="seconds one phase of a rank (init, build, the steps, ...) may take before that rank dumps "
+                        "its stacks and the run stops (default 300)")
+    s.add_argument("--timeout", type=float, default=1800.0, help="seconds for each launch of ranks (default 1800)")
     s.set_defaults(func=_cmd)
     return s
 

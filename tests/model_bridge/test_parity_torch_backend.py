@@ -28,20 +28,23 @@ BF16_REL_LOGITS = 0.05
 BF16_GRAD_REL = 0.03
 
 
-def _packed(samples, spec, pad: int = 5):
+def _packed(samples, spec, pad: int = 5, device="cuda"):
+    """``samples`` (``test_parity._make_samples`` tuples) packed into one THD micro-batch with ``pad``
+    trailing padding tokens on ``device``: (ids [1, T], positions, PackedSeqParams, audio features
+    or None, feature lengths or None, cu_seqlens as a list)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     from model_bridge.modeling.thinker import mrope_position_ids
 
     lens = [len(s[1]) for s in samples]
-    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-    ids = torch.tensor([sum((s[1] for s in samples), []) + [0] * pad], device="cuda")
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=device)
+    ids = torch.tensor([sum((s[1] for s in samples), []) + [0] * pad], device=device)
     pos = mrope_position_ids(ids, spec, cu_seqlens=cu).unsqueeze(1)
     psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens),
                           max_seqlen_kv=max(lens))
     clips = [s for s in samples if s[2] is not None]
-    feats = torch.cat([s[2] for s in clips], 1).cuda()
-    flens = torch.cat([s[3] for s in clips]).cuda()
+    feats = torch.cat([s[2] for s in clips], 1).to(device) if clips else None
+    flens = torch.cat([s[3] for s in clips]).to(device) if clips else None
     return ids, pos, psp, feats, flens, cu.tolist()
 
 

@@ -1,0 +1,205 @@
+"""Two ranks (EP2; TP2 + sequence parallel) == one rank: the thinker's logits, loss and every gradient.
+
+One checkpoint (the ``small`` tiny preset: hidden 256, 4 layers, 8 query / 2 KV heads of 64, 16
+experts top-4 of width 128, a 4-layer audio tower with 4 heads), two packed THD micro-batches:
+batch 0 = a text sample + a sample with two audio clips, batch 1 = two text samples (so under EP2
+one rank runs the audio tower on real clips while the other runs its dummy clip).
+
+* one rank (the reference): both micro-batches one after the other, gradients accumulated;
+* EP2 (world 2, 8 experts per rank, megatron's all-to-all dispatcher): data-parallel rank r runs
+  micro-batch r; the experts see the tokens of both ranks;
+* TP2 + SP (ETP2, world 2): both ranks run both micro-batches.
+
+Per micro-batch the loss is ``sum(logits * W_b)`` with a fixed random ``W_b`` over the real tokens.
+After the backward each rank reduces its gradients as megatron's DDP + ``finalize_model_grads``
+would, as sums: dense parameters over the data-parallel group, expert parameters over the
+expert-data-parallel group, sequence-parallel parameters (norms, router) and q/k norms over TP.
+Gradients are then merged over TP / ETP / EP into HF naming (``export_tasks``) and compared
+tensor by tensor with the one-rank run; logits and losses per micro-batch likewise.
+
+Devices (one test function, parametrised):
+
+* ``cpu``: gloo, fp32, the ``"torch"`` backend named explicitly (its modules with their CPU
+  fallbacks; ``"auto"`` would pick ``"local"`` here). Tolerances: ``FP32_TOL`` (test_parity_torch_backend)
+  for the logits (absolute), the loss and every gradient (relative to the tensor's largest value).
+* ``cuda`` (``gpu`` marker; needs 2 CUDA devices, skipped with the reason otherwise): NCCL, bf16,
+  ``backend="auto"`` (``"torch"`` on the GPU machine, no Transformer Engine), the reference on GPU 0.
+  Tolerances of the single-GPU bf16 parity test: logits within ``BF16_REL_LOGITS`` of max |logit|,
+  losses within ``BF16_REL_LOGITS`` of ``sum |logits * W|``, every gradient within ``BF16_GRAD_REL``
+  of its tensor's largest value (floor: 1% of the largest gradient of the model).
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from megatron_grpo.testing.dist import run_ranks
+from test_parity import _make_samples, _sample_ids
+from test_parity_torch_backend import BF16_GRAD_REL, BF16_REL_LOGITS, FP32_TOL, _packed
+
+PRESET = "small"
+
+
+def _batches(spec) -> list[list[tuple]]:
+    """Two micro-batches of ``_make_samples`` tuples: [text, text + 2 audio clips], [text, text]."""
+    text, audio, text2 = _make_samples(spec)
+    return [[text, audio], [text2, ("text3", _sample_ids(spec, [], 17, seed=7), None, None)]]
+
+
+def _reduce_grads_like_megatron(model) -> None:
+    """Sum each gradient over the ranks megatron's DDP and ``finalize_model_grads`` sum it over."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    cfg = model.config
+    dp = ps.get_data_parallel_group(with_context_parallel=True)
+    edp = ps.get_expert_data_parallel_group()
+    tp = ps.get_tensor_model_parallel_group()
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            continue
+        group = dp if getattr(p, "allreduce", True) else edp
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(p.grad, group=group)
+        tp_sum = ((cfg.sequence_parallel and getattr(p, "sequence_parallel", False))
+                  or (cfg.qk_layernorm and ("q_layernorm" in name or "k_layernorm" in name)))
+        if tp_sum and dist.get_world_size(tp) > 1:
+            dist.all_reduce(p.grad, group=tp)
+
+
+def _grads_by_hf_name(model, spec) -> dict[str, torch.Tensor]:
+    """This rank's share of the gradients, merged over TP/ETP and named like the HF tensors (the
+    ranks' dicts together cover the model: each expert once, dense tensors once)."""
+    from model_bridge.export import export_tasks
+    from model_bridge.mappings import gather_shards
+
+    out = {}
+    for t in export_tasks(model, spec):
+        if t.shard.replica_rank != 0:
+            continue
+        grad = t.param.grad if t.param.grad is not None else torch.zeros_like(t.param)
+        shards = gather_shards(grad.detach().float().contiguous(), t.shard)
+        if shards is None:
+            continue
+        full = t.mapping.merge(shards)
+        for role in t.mapping.roles:
+            out[t.hf[role]] = full[role].cpu().clone()
+    return out
+
+
+def _rank_layout(hf_dir: str, device: str, tp: int, ep: int):
+    """One rank: load, run this data-parallel rank's micro-batches fwd+bwd, reduce and export grads."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from model_bridge.config import ParallelLayout, read_omni_config
+    from model_bridge.load import load_hf
+    from model_bridge.modeling.specs import resolve_backend
+    from model_bridge.modeling.thinker import build_thinker, gather_logits
+    from model_bridge.parallel import destroy_parallel, init_parallel
+
+    cuda = device == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    backend = "auto" if cuda else "torch"
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = False
+    else:
+        torch.set_num_threads(1)
+    init_parallel(tp=tp, ep=ep, seed=1234, timeout_minutes=10)
+    dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    spec = read_omni_config(hf_dir)
+    V = spec.text.vocab_size
+    model = build_thinker(spec, ParallelLayout(tp=tp, ep=ep), dtype, backend=backend)
+    load_hf(model, hf_dir)
+    model = model.to(dev).train()
+    D, d = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    res = {"backend": resolve_backend(backend), "rank": dist.get_rank(), "logits": {}, "loss": {}, "loss_scale": {}}
+    for b, samples in enumerate(_batches(spec)):
+        if b % D != d:
+            continue
+        n = sum(len(s[1]) for s in samples)
+        pad = 5 + (n + 5) % 2  # T even: sequence parallelism splits it over 2 ranks
+        ids, pos, psp, feats, flens, cu = _packed(samples, spec, pad=pad, device=dev)
+        w = torch.randn(ids.shape[1], V, generator=torch.Generator().manual_seed(100 + b))
+        w[cu[-1]:] = 0.0
+        w = w.to(dev)
+        logits = gather_logits(model(ids, pos, psp, audio_features=None if feats is None else feats.to(dtype),
+                                     audio_feature_lens=flens), V)
+        prod = logits.float() * w
+        loss = prod.sum()
+        loss.backward()
+        res["logits"][b] = logits.detach()[:cu[-1]].float().cpu()
+        res["loss"][b] = loss.item()
+        res["loss_scale"][b] = prod.detach().abs().sum().item()
+    _reduce_grads_like_megatron(model)
+    res["grads"] = _grads_by_hf_name(model, spec)
+    destroy_parallel()
+    return res
+
+
+@pytest.fixture(scope="module")
+def ckpt():
+    from conftest import build_cached_tiny
+
+    return build_cached_tiny(PRESET)
+
+
+_ONE_RANK: dict = {}
+
+
+def _one_rank(ckpt, device: str) -> dict:
+    if device not in _ONE_RANK:
+        _ONE_RANK[device] = run_ranks(_rank_layout, 1, str(ckpt), device, 1, 1, timeout=900)[0]
+    return _ONE_RANK[device]
+
+
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu)]
+LAYOUTS = [pytest.param(1, 2, id="ep2"), pytest.param(2, 1, id="tp2sp")]
+
+
+@pytest.mark.parametrize("tp,ep", LAYOUTS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_two_ranks_match_one_rank(ckpt, device, tp, ep):
+    if device == "cuda" and torch.cuda.device_count() < 2:
+        pytest.skip(f"needs 2 CUDA devices (one NCCL rank each), this machine has {torch.cuda.device_count()}")
+    t0 = time.time()
+    ref = _one_rank(ckpt, device)
+    got = run_ranks(_rank_layout, 2, str(ckpt), device, tp, ep, timeout=900)
+    bf16 = device == "cuda"
+    lines = [f"backend {ref['backend']} / {[g['backend'] for g in got]}"]
+    if bf16:
+        assert ref["backend"] in ("torch", "te") and all(g["backend"] == ref["backend"] for g in got)
+
+    # logits and loss of every micro-batch each rank ran
+    ran = sorted(b for g in got for b in g["logits"])
+    assert ran == ([0, 1] if ep > 1 else [0, 0, 1, 1]), ran
+    for g in got:
+        for b, logits in g["logits"].items():
+            scale = ref["logits"][b].abs().max().item()
+            dl = (logits - ref["logits"][b]).abs().max().item()
+            dloss = abs(g["loss"][b] - ref["loss"][b]) / ref["loss_scale"][b]
+            lines.append(f"rank {g['rank']} batch {b}: max|logit diff| {dl:.2e} (max|logit| {scale:.1f}), "
+                         f"loss {g['loss'][b]:.6g} vs {ref['loss'][b]:.6g} (rel {dloss:.1e})")
+            assert dl < (BF16_REL_LOGITS * scale if bf16 else FP32_TOL), lines[-1]
+            assert dloss < (BF16_REL_LOGITS if bf16 else FP32_TOL), lines[-1]
+
+    # every gradient, merged over the ranks, against the accumulated one-rank gradients
+    grads: dict = {}
+    for g in got:
+        dup = set(grads) & set(g["grads"])
+        assert not dup, f"gradients exported by two ranks: {sorted(dup)[:5]}"
+        grads.update(g["grads"])
+    want = ref["grads"]
+    assert sorted(grads) == sorted(want), (sorted(set(want) ^ set(grads))[:10])
+    gmax = max(v.abs().max().item() for v in want.values())
+    floor = (1e-2 if bf16 else 1e-3) * gmax
+    errs = {k: (grads[k] - want[k]).abs().max().item() / max(want[k].abs().max().item(), floor) for k in want}
+    worst = sorted(errs.items(), key=lambda kv: kv[1])[-3:]
+    expert_keys = [k for k in want if ".mlp.experts." in k]
+    assert expert_keys and any(want[k].abs().max() > 0 for k in expert_keys)
+    lines.append(f"{len(want)} gradients, worst {[(k, f'{e:.1e}') for k, e in worst]}")
+    print(f"\n[two ranks {'tp2+sp' if tp > 1 else 'ep2'} vs one, {device}] " + "; ".join(lines)
+          + f" ({time.time() - t0:.1f} s)")
+    assert worst[-1][1] < (BF16_GRAD_REL if bf16 else FP32_TOL), worst
