@@ -15,7 +15,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
     packages=find_packages(include=["megatron_grpo*", "model_bridge*", "launch*"]),
-    package_data={"megatron_grpo": ["assets/*"], "launch": ["slurm/*.sbatch", "slurm/*.sh"]},
+    package_data={"megatron_grpo": ["assets/*"], "launch": ["slurm/templates/*.sbatch.in"]},
     install_requires=[
         # CPU machines install torch==2.13.0 (the CPU wheel; scripts/install.sh pins it first);
         # GPU machines bring their own CUDA torch (2.11 on the H200 machine).

@@ -72,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     from launch.bench import add_bench_parser
 
     add_bench_parser(sub)
+
+    from launch.slurm.cli import add_launch_parser  # argparse only: the config loads when it runs
+
+    add_launch_parser(sub)
     return p
 
 

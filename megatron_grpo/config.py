@@ -9,6 +9,7 @@ generated from the field docstrings: `python -m megatron_grpo.config --docs`.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -153,6 +154,122 @@ class GuardSection:
     """The first step's limit (server warm-up, allocator growth)."""
 
 
+_SLURM_TIME = re.compile(r"^(?:(\d+)-(\d+)(?::(\d+)(?::(\d+))?)?|(\d+)(?::(\d+)(?::(\d+))?)?)$")
+_LAUNCH_SIGNAL = re.compile(r"^(R:)?(?:SIG)?(USR1|10)@(\d+)$")
+
+
+def slurm_time_seconds(text: str) -> int:
+    """Seconds of a slurm time limit ("MM", "MM:SS", "HH:MM:SS", "D-HH", "D-HH:MM", "D-HH:MM:SS");
+    ValueError naming the accepted formats otherwise."""
+    m = _SLURM_TIME.match(str(text).strip())
+    if not m:
+        raise ValueError(f"time limit {text!r} is not a slurm time: use MM, MM:SS, HH:MM:SS, D-HH, "
+                         "D-HH:MM or D-HH:MM:SS (e.g. 24:00:00 or 2-00:00:00)")
+    d, dh, dm, ds, a, b, c = m.groups()
+    if d is not None:
+        return ((int(d) * 24 + int(dh)) * 60 + int(dm or 0)) * 60 + int(ds or 0)
+    if c is not None:
+        return (int(a) * 60 + int(b)) * 60 + int(c)  # HH:MM:SS
+    return int(a) * 60 + int(b or 0)                 # MM or MM:SS
+
+
+@dataclass
+class LaunchConfig:
+    """`mgrpo launch slurm`: the generated sbatch scripts' nodes, environment, network and preemption
+    (docs/slurm.md). Ignored by `mgrpo train` itself."""
+
+    trainer_nodes: Optional[int] = None
+    """Trainer nodes (`--trainer-nodes` wins); recipes set it."""
+    rollout_nodes: Optional[int] = None
+    """Rollout (vLLM) nodes, one `mgrpo serve` each (`--rollout-nodes` wins); recipes set it."""
+    gpus_per_node: Optional[int] = None
+    """GPUs per node of both jobs (`--gpus-per-node` wins); 0: CPU nodes (no --gpus-per-node line;
+    torchrun starts parallel.nproc / trainer_nodes ranks per node)."""
+    partition: Optional[str] = None
+    """`#SBATCH --partition` (`--partition` wins); None: the cluster's default."""
+    account: Optional[str] = None
+    """`#SBATCH --account` (`--account` wins); None: none."""
+    time: Optional[str] = None
+    """`#SBATCH --time` of both jobs, e.g. "24:00:00" (`--time` wins); None: the partition's limit."""
+    job_name: str = "mgrpo"
+    """Job names are "<job_name>-rollout" and "<job_name>-train"."""
+    exclusive: bool = True
+    """`#SBATCH --exclusive`: whole nodes for both jobs (usual for GPU training). false lets the jobs
+    share nodes (a one-node test cluster)."""
+    cpus_per_task: Optional[int] = None
+    """`--cpus-per-task` of the one task per node (sbatch and srun). None: srun gives the task every
+    CPU the job holds on the node (``$SLURM_CPUS_ON_NODE``)."""
+    sbatch_args: list[str] = field(default_factory=list)
+    """Extra `#SBATCH` options for both jobs, verbatim, e.g. ["--qos=high", "--exclusive"]."""
+    setup: Optional[list[str]] = None
+    """Shell lines run first on every node (module load, conda/venv activation, cd). None: activate
+    the Python environment that runs `mgrpo launch` (`source <sys.prefix>/bin/activate`), which must
+    then be on a file system the nodes share; []: nothing."""
+    env: dict = field(default_factory=dict)
+    """Extra environment variables exported on every node, e.g. {NCCL_DEBUG: INFO}."""
+    socket_ifname: Optional[str] = None
+    """Network interface of the cluster network (e.g. "ib0", "eth0", "bond0"): exported as
+    NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME, and the rollout servers bind to its IPv4 address.
+    None: NCCL/gloo pick themselves and the servers bind to the node's first address
+    (`hostname -I`)."""
+    nccl_ib: bool = True
+    """Use InfiniBand/RoCE for NCCL. false exports NCCL_IB_DISABLE=1 (TCP sockets only)."""
+    serve_port: int = 8000
+    """TCP port of each rollout node's vLLM server."""
+    serve_tp: Optional[int] = None
+    """vLLM tensor-parallel size on a rollout node; the node's GPUs / serve_tp become vLLM data
+    parallel. None: all the node's GPUs (1 on CPU). Qwen3-Omni's audio tower has 20 heads, so vLLM
+    needs a TP dividing 20 (e.g. 4 with 8 GPUs -> TP4 x DP2)."""
+    serve_args: list[str] = field(default_factory=list)
+    """Extra `mgrpo serve` / vLLM arguments for the rollout nodes (after the ``serve`` section's)."""
+    master_port: int = 29500
+    """torchrun's rendezvous port on the first trainer node (MASTER_PORT)."""
+    health_timeout_s: float = 1800.0
+    """Seconds the trainer job waits for every rollout server's URL file and /health before it
+    fails with the missing servers and the rollout log."""
+    signal: Optional[str] = "USR1@120"
+    """`#SBATCH --signal` of the trainer job: SIGUSR1 this many seconds before the time limit makes
+    the trainer checkpoint after the current step and exit; the job then requeues itself. Only USR1
+    (optionally "R:"); never "B:" (that signals the batch shell, not the trainer). None: no signal."""
+    requeue: bool = True
+    """`#SBATCH --requeue` on both jobs; after a preemption checkpoint the trainer job requeues itself
+    and resumes from trainer.run_dir."""
+
+    def __post_init__(self):
+        for k in ("trainer_nodes", "rollout_nodes"):
+            v = getattr(self, k)
+            if v is not None and v < 1:
+                raise ValueError(f"launch.{k} must be >= 1, got {v}")
+        if self.gpus_per_node is not None and self.gpus_per_node < 0:
+            raise ValueError(f"launch.gpus_per_node must be >= 0, got {self.gpus_per_node}")
+        if self.cpus_per_task is not None and self.cpus_per_task < 1:
+            raise ValueError(f"launch.cpus_per_task must be >= 1, got {self.cpus_per_task}")
+        if self.serve_tp is not None and self.serve_tp < 1:
+            raise ValueError(f"launch.serve_tp must be >= 1, got {self.serve_tp}")
+        for k in ("serve_port", "master_port"):
+            if not 1 <= getattr(self, k) <= 65535:
+                raise ValueError(f"launch.{k} must be a TCP port (1..65535), got {getattr(self, k)}")
+        if self.health_timeout_s <= 0:
+            raise ValueError(f"launch.health_timeout_s must be > 0, got {self.health_timeout_s}")
+        if self.time is not None:
+            slurm_time_seconds(self.time)
+        if self.signal is not None:
+            if str(self.signal).startswith("B:") or ":B:" in str(self.signal):
+                raise ValueError(f"launch.signal={self.signal!r}: 'B:' would signal only the batch shell, "
+                                 "which does not pass it on to the trainer; use e.g. 'USR1@120'")
+            if not _LAUNCH_SIGNAL.match(str(self.signal)):
+                raise ValueError(f"launch.signal={self.signal!r} is not of the form 'USR1@<seconds>' "
+                                 "(optionally 'R:USR1@<seconds>'): the trainer checkpoints and exits on "
+                                 "SIGUSR1 only")
+        if not isinstance(self.env, dict) or not all(re.match(r"^[A-Za-z_][A-Za-z0-9_]*$", str(k))
+                                                      for k in self.env):
+            raise ValueError(f"launch.env keys must be environment variable names, got {list(self.env)}")
+
+    def signal_seconds(self) -> Optional[int]:
+        """Seconds before the time limit that `signal` fires (None without a signal)."""
+        return None if self.signal is None else int(_LAUNCH_SIGNAL.match(self.signal).group(3))
+
+
 @dataclass
 class TrainConfig:
     """Everything `mgrpo train` needs; the defaults are the embedded tiny CPU job."""
@@ -172,6 +289,7 @@ class TrainConfig:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
     guard: GuardSection = field(default_factory=GuardSection)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     def __post_init__(self):
         p = self.parallel

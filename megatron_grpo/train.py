@@ -44,6 +44,17 @@ def _step_metrics(step: int, trajs, train: dict, push_s: float, times: dict) -> 
     return m
 
 
+PREEMPTED_MARKER = "PREEMPTED"
+"""run_dir/PREEMPTED (JSON: step, signal, time): the run stopped on SIGUSR1/SIGTERM after saving the
+checkpoint of `step`; the slurm job script then requeues itself (docs/slurm.md). Removed at start."""
+
+
+def _write_preempted(run_dir: Path, step: int, signal_name) -> None:
+    tmp = run_dir / f".{PREEMPTED_MARKER}.tmp"
+    tmp.write_text(json.dumps({"step": step, "signal": signal_name, "time": time.time()}) + "\n")
+    tmp.replace(run_dir / PREEMPTED_MARKER)
+
+
 def train(cfg: TrainConfig, resume: bool = False) -> int:
     """Run (or resume) the job described by `cfg` on this process's rank; returns an exit code."""
     from megatron.core import parallel_state as ps
@@ -71,7 +82,10 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
     if rank == 0:
         ensure_embedded_inputs(cfg)
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+        saved = to_dict(cfg)
+        saved["rollout"]["api_key"] = None  # never on disk; a resumed run reads $VLLM_API_KEY again
+        (run_dir / "config.json").write_text(json.dumps(saved, indent=2))
+        (run_dir / PREEMPTED_MARKER).unlink(missing_ok=True)  # a stale marker of an earlier run
     cfg = _broadcast(cfg)  # every rank sees the resolved paths
     layout = ParallelLayout(tp=p.tp, ep=p.ep, etp=p.etp, pp=p.pp)
     dtype = train_dtype(cfg)  # the local vLLM server gets the same (config.serve_dtype)
@@ -156,6 +170,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
                                             {"data": feed.data_state()}, keep_last=ck.keep_last)
                     if stop:
                         if rank == 0:
+                            _write_preempted(run_dir, step, preempt.signal_name)
                             print(f"[train] preempted: checkpoint of step {step} saved; resume with "
                                   f"`mgrpo train --resume {run_dir}`", flush=True)
                         break

@@ -1,10 +1,12 @@
 """`mgrpo serve`: run a vLLM server that training can push weights into, in the foreground.
 
     mgrpo serve --model DIR [--host 127.0.0.1] [--port 8000] [--tp N] [--dp N]
-                [--api-key K | env VLLM_API_KEY] [--allow-remote] [vLLM args ...]
+                [--api-key K | env VLLM_API_KEY] [--allow-remote] [--url-file PATH] [vLLM args ...]
 
 Starts `python -m vllm.entrypoints.openai.api_server` with our worker extension and the weight
-transfer backend (gloo on CPU, nccl on GPU), waits for /health, prints the URL, and stays until
+transfer backend (gloo on CPU, nccl on GPU), waits for /health, prints the URL (and, with
+--url-file, writes it there atomically -- how `mgrpo launch slurm` collects its servers -- and
+removes the file again when it stops), and stays until
 Ctrl-C / SIGTERM, then stops the server's whole process group. Arguments it does not know go to
 vLLM unchanged (put them after `--` to be explicit).
 
@@ -77,6 +79,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="weight-sync backend (auto: gloo without CUDA, nccl with it)")
     s.add_argument("--log", default=None, help="server log file (default: a new file in the temp dir)")
     s.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds to wait for /health")
+    s.add_argument("--url-file", default=None,
+                   help="once healthy, write the server's URL into this file (atomically: tmp + rename); "
+                        "removed again on exit")
     s.set_defaults(func=run_serve, accepts_extra_args=True)
     return s
 
@@ -111,6 +116,7 @@ def run_serve(args: argparse.Namespace) -> int:
                       extra_args=extra)
     log = Path(args.log) if args.log else Path(tempfile.gettempdir()) / f"mgrpo-serve-{spec.port}.log"
     server = VLLMServer(spec, log)
+    url_file = Path(args.url_file) if args.url_file else None
 
     def _on_sigterm(signum, frame):
         raise KeyboardInterrupt
@@ -122,6 +128,8 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"[serve] {server.url}  model={spec.served_model_name}  "
               f"weight_transfer={spec.weight_transfer_backend or 'off'}  "
               f"auth={'api key' if api_key else 'none (loopback only)'}", flush=True)
+        if url_file:
+            _write_atomic(url_file, server.url + "\n")
         print("[serve] serving until Ctrl-C / SIGTERM", flush=True)
         while server.proc is not None and server.proc.poll() is None:
             time.sleep(1.0)
@@ -136,5 +144,14 @@ def run_serve(args: argparse.Namespace) -> int:
         print("[serve] stopping vLLM", flush=True)
         return 0
     finally:
+        if url_file:
+            url_file.unlink(missing_ok=True)
         server.stop()
         signal.signal(signal.SIGTERM, prev)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)

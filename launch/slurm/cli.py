@@ -1,0 +1,116 @@
+"""`mgrpo launch slurm`: render the sbatch scripts of a run, write them next to it, submit them.
+
+    mgrpo launch slurm (--config FILE | --recipe NAME) [--trainer-nodes N] [--rollout-nodes M]
+        [--gpus-per-node G] [--partition P] [--account A] [--time T] [--out DIR] [--dry-run]
+        [dotted.key=value ...]
+
+Two jobs: the rollout job (M nodes, one `mgrpo serve` each) and the trainer job (N nodes, torchrun,
+`mgrpo train`), submitted with --dependency=after:<rollout job>. docs/slurm.md walks through it.
+"""
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+__all__ = ["add_launch_parser", "run_launch_slurm"]
+
+
+def add_launch_parser(sub) -> argparse.ArgumentParser:
+    """Register ``launch`` (with its ``slurm`` target) on an argparse subparsers object."""
+    p = sub.add_parser("launch", help="launch a run on a cluster (slurm: render + submit sbatch scripts)",
+                       description="Launch a run on a cluster.")
+    lsub = p.add_subparsers(dest="launch_target", metavar="{slurm}")
+    lsub.required = True
+    s = lsub.add_parser("slurm", help="render the rollout and trainer sbatch scripts, write them next to "
+                                      "the run, submit them (docs/slurm.md)",
+                        description=__doc__.split("\n\n")[0] + " " + __doc__.split("\n\n")[2],
+                        formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = s.add_mutually_exclusive_group()
+    src.add_argument("--config", help="YAML config of the run (docs/configuration.md)")
+    src.add_argument("--recipe", help="a recipe from launch/recipes instead of --config, e.g. tiny_cpu, "
+                                      "qwen3_omni_30b_a3b_audio_agent_4x8_h200")
+    s.add_argument("--trainer-nodes", type=int, default=None, help="trainer nodes N (default launch.trainer_nodes)")
+    s.add_argument("--rollout-nodes", type=int, default=None, help="rollout nodes M (default launch.rollout_nodes)")
+    s.add_argument("--gpus-per-node", type=int, default=None,
+                   help="GPUs per node G, both jobs; 0: CPU nodes (default launch.gpus_per_node)")
+    s.add_argument("--partition", default=None, help="slurm partition (default launch.partition)")
+    s.add_argument("--account", default=None, help="slurm account (default launch.account)")
+    s.add_argument("--time", default=None, help="time limit of both jobs, e.g. 24:00:00 (default launch.time)")
+    s.add_argument("--out", default=None, help="where the scripts, key, URL files and logs go "
+                                               "(default <trainer.run_dir>/slurm)")
+    s.add_argument("--dry-run", action="store_true", help="write everything but do not submit")
+    s.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="dotted config overrides, e.g. launch.socket_ifname=ib0 trainer.steps=100")
+    s.set_defaults(func=run_launch_slurm)
+    return p
+
+
+def _load_config(args):
+    from megatron_grpo.config import TrainConfig, load_train_config
+    from megatron_grpo.configtree import load_config
+
+    from launch.slurm.render import LaunchError
+
+    if bool(args.config) == bool(args.recipe):
+        raise LaunchError("give exactly one of --config FILE and --recipe NAME")
+    if args.config:
+        return load_train_config(args.config, list(args.overrides))
+    from launch.recipes import get_recipe
+
+    try:
+        base = get_recipe(args.recipe)
+    except KeyError as e:
+        raise LaunchError(e.args[0]) from None
+    return load_config(TrainConfig, None, list(args.overrides), base=base)
+
+
+def run_launch_slurm(args: argparse.Namespace) -> int:
+    from megatron_grpo.configtree import ConfigKeyError
+
+    from launch.slurm.render import LaunchError, check_model, render, resolve_plan
+    from launch.slurm.submit import SubmitError, check_sbatch, sbatch_commands, submit, write_files
+
+    err = sys.stderr
+    try:
+        if args.config and args.recipe:
+            raise LaunchError("give exactly one of --config FILE and --recipe NAME")
+        cfg = _load_config(args)
+        if not args.dry_run:
+            check_sbatch()
+        cfg, plan = resolve_plan(cfg, trainer_nodes=args.trainer_nodes, rollout_nodes=args.rollout_nodes,
+                                 gpus_per_node=args.gpus_per_node, partition=args.partition,
+                                 account=args.account, time=args.time, out=args.out,
+                                 build_embedded=not args.dry_run)
+        problem = check_model(cfg, plan)
+        if problem and not args.dry_run:
+            raise LaunchError(problem)
+        files = render(cfg, plan)
+        written = write_files(plan, files)
+    except (LaunchError, ConfigKeyError, ValueError) as e:
+        print(f"mgrpo launch slurm: error: {e}", file=err)
+        return 2
+    g = f"{plan.gpus_per_node} GPUs" if plan.gpus_per_node else "CPU"
+    print(f"[launch] trainer: {plan.trainer_nodes} node(s) x {plan.nproc_per_node} rank(s) ({g}); rollout: "
+          f"{plan.rollout_nodes} node(s), vLLM TP{plan.serve_tp} x DP{plan.serve_dp} each")
+    print(f"[launch] wrote {', '.join(p.name for p in written)} (mode 0600) to {plan.out}")
+    if args.dry_run:
+        if problem:
+            print(f"[launch] warning: {problem}", file=err)
+        print("[launch] dry run: not submitted. To submit by hand:")
+        first, second = sbatch_commands(plan, "${ROLLOUT}")
+        print(f"  ROLLOUT=$({shlex.join(first)})")
+        print("  " + " ".join(a if "${ROLLOUT}" in a else shlex.quote(a) for a in second))
+        return 0
+    try:
+        jobs = submit(plan)
+    except (SubmitError, LaunchError) as e:
+        print(f"mgrpo launch slurm: error: {e}", file=err)
+        return 1
+    print(f"[launch] submitted rollout job {jobs['rollout']} and trainer job {jobs['train']} "
+          f"(after:{jobs['rollout']}); ids in {plan.out / 'jobs.json'}")
+    print(f"[launch] watch: squeue -j {jobs['rollout']},{jobs['train']}")
+    print(f"[launch] logs:  {jobs['logs']['rollout']}  {jobs['logs']['train']}")
+    print(f"[launch] stop:  scancel {jobs['rollout']} {jobs['train']}   "
+          f"(done when {plan.run_dir / 'DONE'} appears)")
+    return 0
