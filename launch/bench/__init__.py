@@ -4,7 +4,10 @@ A kind is a module of this package with ``add_parser(subparsers)``; register it 
 Kinds: ``convert`` (HF <-> Megatron dist checkpoint conversion throughput and peak RSS on a
 full-width Qwen3-Omni-layout checkpoint, :mod:`launch.bench.convert`), ``layers`` (N full-width
 thinker layers fwd+bwd: ours vs HF transformers vs megatron's local spec, with the kernel ceiling,
-:mod:`launch.bench.layers`).
+:mod:`launch.bench.layers`), ``packing`` (padding fraction and DP balance of our packer vs padded
+batches on the layers bench's length distribution, CPU, :mod:`launch.bench.packing`), ``sync`` (weight
+sync of the 48-layer thinker, ``export_hf`` -> buckets -> broadcast -> unpack between two GPUs, against
+raw NCCL bandwidth; gloo on CPU, :mod:`launch.bench.sync`).
 """
 from __future__ import annotations
 
@@ -13,7 +16,8 @@ import importlib
 
 __all__ = ["add_bench_parser", "KINDS"]
 
-KINDS = {"convert": "launch.bench.convert", "layers": "launch.bench.layers"}
+KINDS = {"convert": "launch.bench.convert", "layers": "launch.bench.layers", "packing": "launch.bench.packing",
+         "sync": "launch.bench.sync"}
 """bench kind -> module with ``add_parser(subparsers)`` (argparse only; heavy imports when it runs)."""
 
 
