@@ -71,7 +71,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--allow-remote", action="store_true",
                    help="allow a non-loopback --host (needs an API key too)")
     s.add_argument("--served-model-name", default=None, help="model name in requests (default: dir name)")
-    s.add_argument("--dtype", default="auto", help="weights/activations dtype (vLLM's --dtype)")
+    s.add_argument("--dtype", default="auto",
+                   help="weights/activations dtype (vLLM's --dtype); auto: the trainer's default, "
+                        "bfloat16 with CUDA, float32 without (vLLM's own auto would serve a float32 "
+                        "checkpoint in bfloat16 on CPU too)")
     s.add_argument("--max-model-len", type=int, default=4096, help="longest prompt+completion, tokens")
     s.add_argument("--max-num-seqs", type=int, default=16, help="concurrent sequences")
     s.add_argument("--max-audio-per-prompt", type=int, default=4, help="audio clips per request")
@@ -88,6 +91,17 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
 
 def _reserved_in(extra: list[str]) -> list[str]:
     return [a for a in extra for opt in _RESERVED_VLLM_OPTIONS if a == opt or a.startswith(opt + "=")]
+
+
+def resolve_dtype(dtype: str) -> str:
+    """``auto`` -> what ``mgrpo train`` trains in by default (bfloat16 with CUDA, float32 without),
+    so the rollout logprobs come from the trainer's numerics; vLLM's own ``auto`` downcasts a
+    float32 checkpoint (the embedded tiny one) to bfloat16 on CPU. Anything else goes to vLLM."""
+    if dtype != "auto":
+        return dtype
+    import torch
+
+    return "bfloat16" if torch.cuda.is_available() else "float32"
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -107,7 +121,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from megatron_grpo.rollout.server import ServerError, ServerSpec, VLLMServer
 
     spec = ServerSpec(model=args.model, host=args.host, port=args.port,
-                      served_model_name=args.served_model_name, dtype=args.dtype,
+                      served_model_name=args.served_model_name, dtype=resolve_dtype(args.dtype),
                       max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                       max_audio_per_prompt=args.max_audio_per_prompt,
                       tensor_parallel_size=args.tp, data_parallel_size=args.dp, api_key=api_key,

@@ -74,6 +74,20 @@ def test_missing_checkpoint_is_an_error(capsys, tmp_path):
     assert rc == 2 and "config.json" in err
 
 
+def test_auto_dtype_is_the_trainers(monkeypatch):
+    """`--dtype auto` serves in the trainer's default dtype, not vLLM's auto (bf16 for a float32
+    checkpoint on CPU); an explicit dtype passes through."""
+    import torch
+
+    from megatron_grpo.rollout.serve_cli import resolve_dtype
+
+    assert resolve_dtype("float16") == "float16"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_dtype("auto") == "float32"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert resolve_dtype("auto") == "bfloat16"
+
+
 def test_unknown_arguments_go_to_vllm():
     parser = build_parser()
     args, extra = parser.parse_known_args(["serve", "--model", "m", "--tp", "2", "--enable-prefix-caching",
