@@ -77,7 +77,6 @@ def export_plan(model: torch.nn.Module, spec=None, *, bridge: ModelBridge = QWEN
     return out
 
 
-@torch.no_grad()
 def export_hf(model: torch.nn.Module, spec=None, *, bridge: ModelBridge = QWEN3_OMNI,
               dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, full tensor)`` for the parameters this rank exports (see the module doc).
@@ -88,10 +87,13 @@ def export_hf(model: torch.nn.Module, spec=None, *, bridge: ModelBridge = QWEN3_
     for t in tasks:
         if t.shard.replica_rank != 0:
             continue  # a data-parallel replica: its twin on replica 0 exports it
-        shards = gather_shards(t.param.detach(), t.shard)
-        if shards is None:
-            continue  # not group rank 0: it only contributed its shard
-        full = t.mapping.merge(shards)
+        # no_grad per parameter, not around the yields (a no_grad generator toggles grad mode on
+        # every resume: two calls per yielded tensor); the yielded tensors come from a detached param
+        with torch.no_grad():
+            shards = gather_shards(t.param.detach(), t.shard)
+            if shards is None:
+                continue  # not group rank 0: it only contributed its shard
+            full = t.mapping.merge(shards)
         for role in t.mapping.roles:
             tensor = full[role]
             if dtype is not None and tensor.dtype != dtype:

@@ -16,7 +16,8 @@ Placeholders ``{name}`` match digits. Two names are special, everything else is 
 A mapping knows, for one Megatron parameter, which HF tensors ("roles") it is made of, what their
 full shapes are (``hf_shapes``), how to read *only this rank's part* of them through a lazy source
 (``load``: row/column slices of the safetensors, never the whole tensor when a slice suffices), and
-how to turn the list of every group rank's shards back into full HF tensors (``merge``). Which
+how to turn the list of every group rank's shards back into full HF tensors (``merge``; for a group
+of one, ``merge_one``, which returns views of the parameter wherever the HF layout allows). Which
 process group a parameter is split over is the mapping's ``group`` role: ``"tp"`` (dense tensor
 parallel) or ``"etp"`` (expert tensor parallel); an expert variant is the same class with
 ``group="etp"`` and ``{expert}`` in its patterns.
@@ -180,6 +181,11 @@ class ParamMapping(ABC):
     def merge(self, shards: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
         """Full HF tensor per role from all group ranks' shards (rank order)."""
 
+    def merge_one(self, full: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``merge([full])`` for a group of one, ``full`` contiguous: the mappings whose HF tensors
+        are plain slices of the parameter return views of it (no copy)."""
+        return self.merge([full])
+
     # helpers
     def _read(self, src: Source, key: str, full: Sequence[int], dim: int = 0, start=None, stop=None):
         return src.read(key, dim=dim, start=start, stop=stop, expect_shape=_shape(full))
@@ -203,6 +209,9 @@ class Replicated(ParamMapping):
     def merge(self, shards):
         return {SINGLE: shards[0]}
 
+    def merge_one(self, full):
+        return {SINGLE: full}
+
 
 class ColumnParallel(ParamMapping):
     """Split along dim 0 (output features of a column-parallel linear, or its bias)."""
@@ -217,7 +226,12 @@ class ColumnParallel(ParamMapping):
         return self._read(src, keys[SINGLE], full, 0, a, b)
 
     def merge(self, shards):
+        if len(shards) == 1:
+            return self.merge_one(shards[0].contiguous())
         return {SINGLE: torch.cat(list(shards), dim=0)}
+
+    def merge_one(self, full):
+        return {SINGLE: full}
 
 
 class RowParallel(ParamMapping):
@@ -236,7 +250,12 @@ class RowParallel(ParamMapping):
         return self._read(src, keys[SINGLE], full, 1, a, b)
 
     def merge(self, shards):
+        if len(shards) == 1:
+            return self.merge_one(shards[0].contiguous())
         return {SINGLE: torch.cat(list(shards), dim=1)}
+
+    def merge_one(self, full):
+        return {SINGLE: full}
 
 
 class QKV(ParamMapping):
@@ -274,7 +293,8 @@ class QKV(ParamMapping):
         return T.fuse_qkv(q, k, v, self.num_heads // shard.size, self.num_kv_heads // shard.size, self.head_dim)
 
     def merge(self, shards):
-        q, k, v = T.split_qkv(torch.cat(list(shards), dim=0), self.num_heads, self.num_kv_heads, self.head_dim)
+        fused = shards[0] if len(shards) == 1 else torch.cat(list(shards), dim=0)
+        q, k, v = T.split_qkv(fused, self.num_heads, self.num_kv_heads, self.head_dim)
         return {"q": q, "k": k, "v": v}
 
 
@@ -298,7 +318,13 @@ class GatedMLP(ParamMapping):
         return T.fuse_gate_up(gate, up)
 
     def merge(self, shards):
+        if len(shards) == 1:
+            return self.merge_one(shards[0].contiguous())
         gate, up = T.split_gate_up_shards(list(shards))
+        return {"gate": gate, "up": up}
+
+    def merge_one(self, full):
+        gate, up = T.split_gate_up(full)  # the halves of a contiguous tensor: views
         return {"gate": gate, "up": up}
 
 
@@ -329,7 +355,8 @@ class VocabParallel(ParamMapping):
         return T.pad_vocab(self._read(src, keys[SINGLE], full, 0, a, b), n)
 
     def merge(self, shards):
-        return {SINGLE: T.unpad_vocab(torch.cat(list(shards), dim=0), self.vocab_size).contiguous()}
+        full = shards[0] if len(shards) == 1 else torch.cat(list(shards), dim=0)
+        return {SINGLE: T.unpad_vocab(full, self.vocab_size).contiguous()}
 
 
 class ExpertStacked(ParamMapping):
@@ -382,6 +409,13 @@ class ExpertStacked(ParamMapping):
                             for e in range(s[0])])
 
     def merge(self, shards):
+        if len(shards) == 1:  # one unbind, then each expert's views of the parameter (no copy)
+            out = {}
+            for e, x in enumerate(shards[0].contiguous().unbind(0)):
+                m = self.inner.merge_one(x)
+                for r in self.pattern_roles:
+                    out[f"{r}@{e}"] = m[r]
+            return out
         n = shards[0].shape[0]
         out = {}
         for e in range(n):
@@ -446,8 +480,10 @@ class Rule:
         """For an expanding mapping (``ExpertStacked``): ``"<role>@<e>"`` -> HF name with the expanded
         placeholder set to ``offset + e`` for each of the ``num_local`` stacked entries."""
         key = self.mapping.expands
-        return {f"{role}@{e}": pat.format(**{**values, key: offset + e})
-                for e in range(num_local) for role, pat in self._hf.items()}  # type: ignore[attr-defined]
+        # the other placeholders once per role, then only the expanded one per entry
+        parts = {role: pat.format(**{**values, key: "\0"}).split("\0")
+                 for role, pat in self._hf.items()}  # type: ignore[attr-defined]
+        return {f"{role}@{e}": str(offset + e).join(p) for e in range(num_local) for role, p in parts.items()}
 
 
 @dataclass

@@ -163,18 +163,6 @@ def _ckpt_dtype(meta: dict, dtype: Optional[torch.dtype]) -> torch.dtype:
     return getattr(torch, meta.get("dtype", "float32")) if meta else torch.float32
 
 
-def _merge_one(mapping, value: torch.Tensor) -> dict:
-    """``mapping.merge([value])`` for a world-size-1 shard, without the copy a one-tensor cat makes
-    for the plain split mappings (the vocab padding rows are dropped by a view)."""
-    from model_bridge.mappings import SINGLE, ColumnParallel, Replicated, RowParallel, VocabParallel
-
-    if type(mapping) in (ColumnParallel, RowParallel, Replicated):
-        return {SINGLE: value}
-    if type(mapping) is VocabParallel:
-        return {SINGLE: value[:mapping.vocab_size]}
-    return mapping.merge([value])
-
-
 def iter_dist_checkpoint_as_hf(ckpt_dir, spec, *, model=None, dtype: Optional[torch.dtype] = None,
                                group_bytes: int = 128 * 2**20, progress: bool = False,
                                stats: Optional[dict] = None) -> Iterator[tuple[str, torch.Tensor]]:
@@ -235,7 +223,7 @@ def iter_dist_checkpoint_as_hf(ckpt_dir, spec, *, model=None, dtype: Optional[to
                 if tuple(value.shape[1:]) != tuple(t.param.shape[1:]):
                     raise CheckpointError(f"{ckpt_dir}: {t.name} loaded with shape {list(value.shape)}, the model "
                                           f"has {list(t.param.shape)}")
-                full = _merge_one(t.mapping, value)
+                full = t.mapping.merge([value])  # a group of one: views of value, no copy
                 del value
                 for role in t.mapping.roles:
                     yield t.hf[role], full.pop(role)

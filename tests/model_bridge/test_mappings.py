@@ -12,8 +12,9 @@ from safetensors.torch import load_file, save_file
 
 from model_bridge import transforms as T
 from model_bridge.io import INDEX_NAME, CheckpointError, SafetensorsReader, ShardedWriter
-from model_bridge.mappings import (QKV, ColumnParallel, DictSource, GatedMLP, MappingError, ParallelContext,
-                                   Replicated, RowParallel, Rule, Shard, VocabParallel, build_tasks, task_shard)
+from model_bridge.mappings import (QKV, ColumnParallel, DictSource, ExpertStacked, GatedMLP, MappingError,
+                                   ParallelContext, Replicated, RowParallel, Rule, Shard, VocabParallel, build_tasks,
+                                   task_shard)
 
 
 def _rand(*shape, seed=0):
@@ -142,6 +143,44 @@ def test_vocab_parallel_pads_and_drops(tp, padded):
     local = torch.cat(shards)
     assert torch.equal(local[:10], w) and not local[10:].any()
     assert torch.equal(out["hf"], w)
+
+
+def test_merge_of_a_group_of_one_is_views_of_the_parameter():
+    """TP=1 export: no copy for the plain split mappings and stacked experts (the weight-sync hot path);
+    the values are those of a one-shard concatenation, contiguous."""
+    def views_of(t, base):
+        return t.is_contiguous() and t.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+
+    w = _rand(8, 6)
+    for m in (ColumnParallel(), RowParallel(), Replicated()):
+        assert m.merge([w])["hf"] is w
+    out = GatedMLP().merge([w])
+    assert torch.equal(out["gate"], w[:4]) and torch.equal(out["up"], w[4:]) and views_of(out["up"], w)
+    assert views_of(VocabParallel(5).merge([w])["hf"], w) and torch.equal(VocabParallel(5).merge([w])["hf"], w[:5])
+    stack = _rand(3, 8, 6, seed=3)  # three local experts of [gate; up] rows
+    fc1 = ExpertStacked(GatedMLP("etp")).bind(3)
+    out = fc1.merge([stack])
+    assert list(out) == list(fc1.roles) == ["gate@0", "up@0", "gate@1", "up@1", "gate@2", "up@2"]
+    for e in range(3):
+        assert torch.equal(out[f"gate@{e}"], stack[e, :4]) and torch.equal(out[f"up@{e}"], stack[e, 4:])
+        assert views_of(out[f"gate@{e}"], stack)
+    fc2 = ExpertStacked(RowParallel("etp")).bind(3)
+    out = fc2.merge([stack])
+    assert all(torch.equal(out[f"hf@{e}"], stack[e]) and views_of(out[f"hf@{e}"], stack) for e in range(3))
+    # a non-contiguous parameter still gives contiguous tensors with the same values
+    out = fc2.merge([stack.transpose(1, 2)])
+    assert all(torch.equal(out[f"hf@{e}"], stack[e].t()) and out[f"hf@{e}"].is_contiguous() for e in range(3))
+    # two ETP shards: the concatenating path gives the same full tensors
+    two = fc2.merge([stack[:, :, :3], stack[:, :, 3:]])
+    assert all(torch.equal(two[f"hf@{e}"], stack[e]) for e in range(3))
+
+
+def test_expert_rule_names_every_local_expert():
+    rule = Rule("layers.{layer}.fc1", {"gate": "m.{layer}.experts.{expert}.gate", "up": "m.{layer}.experts.{expert}.up"},
+                ExpertStacked(GatedMLP("etp")))
+    names = rule.expanded_hf_names({"layer": 7}, 2, 10)
+    assert names == {"gate@0": "m.7.experts.10.gate", "up@0": "m.7.experts.10.up",
+                     "gate@1": "m.7.experts.11.gate", "up@1": "m.7.experts.11.up"}
 
 
 def test_mapping_reads_only_its_slice():

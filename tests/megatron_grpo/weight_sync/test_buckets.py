@@ -92,3 +92,26 @@ def test_pack_unpack_round_trip_mixed_dtypes_is_bit_exact():
         assert torch.equal(got, want)
     with pytest.raises(ValueError, match="layout needs"):
         unpack_bucket(buf[:-1], names, [t.dtype for t in tensors], [list(t.shape) for t in tensors])
+
+
+def test_pack_copies_runs_of_one_storage_bit_exactly():
+    """Views that follow each other in one storage are packed as one block; gaps (in the storage or
+    in the aligned layout), other storages and non-contiguous views end a block."""
+    g = torch.Generator().manual_seed(1)
+    stack = torch.randn(4, 8, 16, generator=g)  # 512 B per expert: back to back in the layout too
+    odd = torch.randn(5, 3, generator=g).to(torch.bfloat16)  # 6 B rows: layout gaps between rows
+    other = torch.randn(4, 8, 16, generator=g)
+    tensors = [*stack.unbind(0),                       # one run of 4
+               *odd.unbind(0),                         # 5 runs (each 6 B, realigned to 64)
+               other[1], other[2], other[0], other[3],  # out of order: 3 runs
+               stack[1], stack[3],                     # a gap in the storage: 2 runs
+               other[0].t(),                           # non-contiguous
+               stack[0, :2], stack[0, 2:],             # the halves of one expert
+               torch.tensor([], dtype=torch.float32), stack[2, 1]]
+    buf = pack_bucket(tensors)
+    out = unpack_bucket(buf, [str(i) for i in range(len(tensors))], [t.dtype for t in tensors],
+                        [list(t.shape) for t in tensors])
+    for (_, got), want in zip(out, tensors):
+        assert got.dtype == want.dtype and got.shape == want.shape and got.is_contiguous()
+        assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).contiguous().view(torch.uint8))
+        assert got.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()  # views, no copy
