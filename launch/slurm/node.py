@@ -7,11 +7,12 @@ Small Python entries instead of shell loops, so they are tested and their errors
 * ``serve --servers-dir D --log-dir L [--ifname IF] -- MGRPO_SERVE_ARGS...``: runs
   ``mgrpo serve --host <address> --allow-remote --url-file D/<hostname>.url ...`` in this process
   (exec); the URL file appears once the server answers /health and goes when it stops;
-* ``wait-servers --servers-dir D --count M --timeout S --rollout-log LOG``: waits until M URL files
-  exist and each URL's /health answers 200, then prints ``[url1,url2,...]`` (for
+* ``wait-servers --servers-dir D --count M --timeout S --rollout-log LOG [--rollout-job ID]``: waits
+  until M URL files exist and each URL's /health answers 200, then prints ``[url1,url2,...]`` (for
   ``rollout.server_urls=``); after S seconds it fails naming the missing or unhealthy servers and
-  the rollout job's log;
-* ``has-checkpoint RUN_DIR``: exit 0 when RUN_DIR holds a complete checkpoint (resume), 1 otherwise;
+  the rollout job's log, and at once when the rollout job ID has ended (a crashed server);
+* ``has-checkpoint RUN_DIR``: exit 0 when RUN_DIR holds a complete checkpoint (resume), printing the
+  newest one's step and path; 1 otherwise;
 * ``fit-time-limit --rollout-job ID --margin S``: lowers this (trainer) job's time limit so that it
   ends S seconds before the rollout job does, so its preemption signal fires while the servers are
   still up.
@@ -94,9 +95,31 @@ def _read_urls(servers_dir: Path) -> dict[str, str]:
     return out
 
 
+_ENDED_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+                           "BOOT_FAIL", "DEADLINE", "REVOKED", "SPECIAL_EXIT"})
+"""Final job states; PREEMPTED is left out, since a preempted job may be on its way back (requeue)."""
+
+
+def _job_ended(job_id: str) -> str | None:
+    """The final state of slurm job `job_id` once it has ended ("gone" when squeue no longer knows
+    it); None while it is pending, running or being requeued, or when squeue cannot tell."""
+    try:
+        r = subprocess.run(["squeue", "-h", "-t", "all", "-j", str(job_id), "-o", "%T"], capture_output=True,
+                           text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if r.returncode != 0:
+        return "gone" if "invalid job id" in r.stderr.lower() else None
+    state = r.stdout.strip().split("\n")[0].strip()
+    if not state:
+        return "gone"
+    return state if state in _ENDED_STATES else None
+
+
 def wait_servers(servers_dir: str | os.PathLike, count: int, timeout: float, rollout_log: str = "",
-                 poll_s: float = 5.0, log=print) -> list[str]:
-    """Wait for `count` URL files in `servers_dir`, each answering /health; return the URLs."""
+                 poll_s: float = 5.0, log=print, rollout_job: str = "") -> list[str]:
+    """Wait for `count` URL files in `servers_dir`, each answering /health; return the URLs.
+    With `rollout_job`, fail at once when that job has ended (its servers will not come)."""
     servers_dir = Path(servers_dir)
     t0 = time.monotonic()
     last_report = -1e9
@@ -106,6 +129,12 @@ def wait_servers(servers_dir: str | os.PathLike, count: int, timeout: float, rol
         ready = [urls[h] for h in sorted(urls) if health[h]]
         if len(ready) >= count:
             return ready
+        ended = _job_ended(rollout_job) if rollout_job else None
+        if ended:
+            raise ServersNotReady(
+                f"the rollout job {rollout_job} has ended ({ended}) with {len(ready)} of {count} servers "
+                f"ready: they will not come up. See its log: {rollout_log or servers_dir.parent / 'logs'} "
+                "(and the per-node vLLM logs next to it); docs/slurm.md, 'Troubleshooting'")
         elapsed = time.monotonic() - t0
         if elapsed >= timeout:
             lines = [f"{len(ready)} of {count} rollout servers ready after {timeout:.0f} s "
@@ -138,10 +167,12 @@ def _serve(args: argparse.Namespace, rest: list[str]) -> int:
     return 1  # pragma: no cover
 
 
-def _has_checkpoint(run_dir: str) -> bool:
+def _newest_checkpoint(run_dir: str):
+    """``(step, path)`` of the newest complete checkpoint under `run_dir`, or None."""
     from megatron_grpo.engine.checkpoint import list_checkpoints
 
-    return bool(list_checkpoints(run_dir))
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
 
 
 def _squeue_seconds(job_id: str, field: str) -> int | None:
@@ -202,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--count", type=int, required=True)
     s.add_argument("--timeout", type=float, required=True)
     s.add_argument("--rollout-log", default="")
+    s.add_argument("--rollout-job", default="", help="fail at once when this slurm job has ended")
     s.add_argument("--poll", type=float, default=5.0)
     s = sub.add_parser("has-checkpoint", help="exit 0 when RUN_DIR holds a complete checkpoint")
     s.add_argument("run_dir")
@@ -216,12 +248,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "serve":
             return _serve(args, rest)
         if args.cmd == "wait-servers":
-            urls = wait_servers(args.servers_dir, args.count, args.timeout, args.rollout_log, poll_s=args.poll)
+            urls = wait_servers(args.servers_dir, args.count, args.timeout, args.rollout_log, poll_s=args.poll,
+                                rollout_job=args.rollout_job)
             print("[" + ",".join(urls) + "]")
             print(f"[wait-servers] all {len(urls)} rollout servers ready: {', '.join(urls)}", file=sys.stderr)
             return 0
         if args.cmd == "has-checkpoint":
-            return 0 if _has_checkpoint(args.run_dir) else 1
+            newest = _newest_checkpoint(args.run_dir)
+            if newest is None:
+                return 1
+            print(f"step {newest[0]} ({newest[1]})")
+            return 0
         if args.cmd == "fit-time-limit":
             return _fit_time_limit(args.rollout_job, args.margin)
     except (ValueError, ServersNotReady) as e:
