@@ -111,6 +111,11 @@ class TrainerSection:
     """Where metrics, plots, checkpoints and logs go."""
     logprob_chunk_size: int = 1024
     """Tokens per chunk of the vocab-parallel log-softmax (bounds its memory)."""
+    fused_lm_head: bool = True
+    """Fuse the output layer into the chunked log-softmax (training step and logprob passes): the
+    logits [T, vocab/tp] and their gradient are never materialised, only [chunk, vocab/tp]
+    temporaries (docs/training.md, "Memory of the logprobs"). false: the output layer's logits,
+    then the chunked log-softmax (same values)."""
     max_consecutive_skips: int = 3
     """Stop after this many updates in a row skipped for non-finite gradients."""
 

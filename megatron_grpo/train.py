@@ -102,7 +102,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
     packing = _broadcast(packing)
     step_cfg = StepConfig(loss=cfg.loss, importance=cfg.importance,
                           max_consecutive_skips=cfg.trainer.max_consecutive_skips,
-                          logprob_chunk_size=cfg.trainer.logprob_chunk_size)
+                          logprob_chunk_size=cfg.trainer.logprob_chunk_size,
+                          fused_lm_head=cfg.trainer.fused_lm_head)
     logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, plot=cfg.logging.plot) if rank == 0 else None
 
     start = 0

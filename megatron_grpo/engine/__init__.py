@@ -5,6 +5,7 @@
 * ``batch``: ``TrainMicroBatch`` and ``build_train_microbatches`` (trajectories + pack plan ->
   this DP rank's micro-batches with audio features);
 * ``logprobs``: chunked vocab-parallel log-softmax / entropy (``token_logprobs``);
+  ``fused_logprobs``: the same fused with the output layer, never materialising ``[T, V]`` logits;
 * ``forward``: ``run_schedule`` (megatron's forward-backward schedule), ``compute_logprobs``
   (no-grad old / reference policy logprobs);
 * ``step``: ``StepConfig``, ``train_step`` (loss with global normalisers, MoE aux loss, clipping,
@@ -22,6 +23,7 @@ _WHERE = {
     "build_optimizer": "setup",
     "TrainMicroBatch": "batch", "build_train_microbatches": "batch", "featurizer_from_extractor": "batch",
     "token_logprobs": "logprobs", "vocab_parallel_logprobs": "logprobs",
+    "fused_vocab_parallel_logprobs": "fused_logprobs",
     "compute_logprobs": "forward", "fill_old_logprobs": "forward", "fill_ref_logprobs": "forward",
     "run_schedule": "forward",
     "StepConfig": "step", "train_step": "step", "forward_backward": "step", "optimizer_update": "step",

@@ -8,6 +8,12 @@ there is none). On the last pipeline stage the logits ``[T, 1, Vp/tp]`` go to th
 function; under a ``Float16Module`` they stay in bf16 (``fp32_output=False``): the logprob code
 upcasts chunk by chunk instead of a float32 ``[T, Vp/tp]`` copy.
 
+With ``fused_lm_head`` the last stage skips the output layer instead
+(``OmniThinker.forward(return_hidden=True)``): the loss function gets the final hidden states
+``[T, 1, h]`` and, as the keyword ``lm_head_weight``, the output weight shard ``[Vp/tp, h]``, and
+``engine.fused_logprobs`` computes the logprobs without materialising the logits or their
+gradient (``token_logprobs(..., lm_head_weight=...)``).
+
 ``compute_logprobs(model, microbatches, vocab_size=...)`` is the forward-only pass (eval mode,
 ``torch.no_grad``) that gives the token-aligned logprobs (and entropy) of every micro-batch: the
 behaviour policy's before the first update of a step (needed for MIS and for several updates per
@@ -24,6 +30,9 @@ import torch
 
 from .batch import TrainMicroBatch
 from .logprobs import DEFAULT_CHUNK_TOKENS, token_logprobs
+
+DEFAULT_FUSED_LM_HEAD = True
+"""Default of ``fused_lm_head`` here and of ``StepConfig.fused_lm_head``."""
 
 __all__ = ["run_schedule", "compute_logprobs", "fill_old_logprobs", "fill_ref_logprobs", "is_last_stage",
            "model_device"]
@@ -43,7 +52,14 @@ def _as_chunks(model) -> list:
     return list(model) if isinstance(model, (list, tuple)) else [model]
 
 
-def _forward_step(use_fp16_wrapper: bool, loss_for: Callable, data_iterator, model):
+def _unwrap(model):
+    """The module inside megatron's DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _forward_step(use_fp16_wrapper: bool, fused: bool, loss_for: Callable, data_iterator, model):
     """megatron ``forward_step_func``: one micro-batch through this stage."""
     tmb: TrainMicroBatch = next(data_iterator)
     dev = model_device()
@@ -52,19 +68,25 @@ def _forward_step(use_fp16_wrapper: bool, loss_for: Callable, data_iterator, mod
               audio_feature_lens=t.audio_feature_lens)
     if use_fp16_wrapper:
         kw["fp32_output"] = False
+    if fused:
+        kw["return_hidden"] = True
     out = model(t.input_ids_T.unsqueeze(0), t.position_ids(), **kw)
+    if fused and is_last_stage():
+        return out, partial(loss_for, t, lm_head_weight=_unwrap(model).lm_head_weight())
     return out, partial(loss_for, t)
 
 
 def run_schedule(model, microbatches: Sequence[TrainMicroBatch], loss_for: Callable, *, forward_only: bool,
-                 force_all_reduce: bool = False) -> list:
+                 force_all_reduce: bool = False, fused_lm_head: bool = False) -> list:
     """megatron's forward(-backward) schedule over ``microbatches``; returns the loss functions'
     second outputs (last pipeline stage; ``[]`` elsewhere).
 
     ``loss_for(tmb_on_device, output_tensor) -> (loss, data)``: the loss handed to megatron (which
     divides it by the number of micro-batches; DDP then averages over DP) and what to collect.
-    ``force_all_reduce`` (training only) all-reduces the gradients instead of reduce-scattering
-    them, so every DP rank holds the full gradient (tests).
+    With ``fused_lm_head`` (module doc) ``output_tensor`` is the final hidden states and
+    ``loss_for`` also gets ``lm_head_weight=``. ``force_all_reduce`` (training only) all-reduces
+    the gradients instead of reduce-scattering them, so every DP rank holds the full gradient
+    (tests).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -79,7 +101,7 @@ def run_schedule(model, microbatches: Sequence[TrainMicroBatch], loss_for: Calla
         return []
     get_model_config(chunks[0]).variable_seq_lengths = True  # packed micro-batches differ in T
     fb = get_forward_backward_func()
-    kw = dict(forward_step_func=partial(_forward_step, has_float16_wrapper(chunks[0]), loss_for),
+    kw = dict(forward_step_func=partial(_forward_step, has_float16_wrapper(chunks[0]), bool(fused_lm_head), loss_for),
               data_iterator=iter(list(microbatches)), model=chunks, num_microbatches=len(microbatches),
               seq_length=max(m.num_tokens for m in microbatches), micro_batch_size=1, forward_only=forward_only)
     if force_all_reduce:
@@ -90,10 +112,10 @@ def run_schedule(model, microbatches: Sequence[TrainMicroBatch], loss_for: Calla
 
 
 def _logprob_loss(vocab_size: int, chunk_size: int, with_entropy: bool, only_loss_tokens: bool,
-                  tmb: TrainMicroBatch, output: torch.Tensor):
+                  tmb: TrainMicroBatch, output: torch.Tensor, lm_head_weight: Optional[torch.Tensor] = None):
     lp_T, ent_T = token_logprobs(output, tmb.input_ids_T, tmb.cu_seqlens_S, vocab_size=vocab_size,
                                  token_mask_T=tmb.loss_mask_T if only_loss_tokens else None,
-                                 chunk_size=chunk_size, with_entropy=with_entropy)
+                                 chunk_size=chunk_size, with_entropy=with_entropy, lm_head_weight=lm_head_weight)
     data = {"logprobs_T": lp_T.detach().cpu()}
     if ent_T is not None:
         data["entropy_T"] = ent_T.detach().cpu()
@@ -103,12 +125,14 @@ def _logprob_loss(vocab_size: int, chunk_size: int, with_entropy: bool, only_los
 @torch.no_grad()
 def compute_logprobs(model, microbatches: Sequence[TrainMicroBatch], *, vocab_size: int,
                      with_entropy: bool = False, chunk_size: int = DEFAULT_CHUNK_TOKENS,
-                     only_loss_tokens: bool = True) -> list[Optional[dict]]:
+                     only_loss_tokens: bool = True, fused_lm_head: bool = DEFAULT_FUSED_LM_HEAD
+                     ) -> list[Optional[dict]]:
     """Per micro-batch ``{"logprobs_T": float32 [T] (CPU), "entropy_T": ...}`` on the last pipeline
     stage, ``None`` on the others. Token-aligned (``engine.logprobs``); with ``only_loss_tokens``
     only the loss-mask tokens are scored (others 0). Collective over the model-parallel and
     pipeline groups: every rank of the model calls it with its own (equally many) micro-batches.
-    The model is put in eval mode for the pass and restored afterwards.
+    The model is put in eval mode for the pass and restored afterwards. ``fused_lm_head``: the
+    output layer fused into the logprobs (module doc), same values without the logits.
     """
     chunks = _as_chunks(model)
     modes = [m.training for m in chunks]
@@ -117,7 +141,7 @@ def compute_logprobs(model, microbatches: Sequence[TrainMicroBatch], *, vocab_si
     try:
         data = run_schedule(chunks, microbatches,
                             partial(_logprob_loss, vocab_size, chunk_size, with_entropy, only_loss_tokens),
-                            forward_only=True)
+                            forward_only=True, fused_lm_head=fused_lm_head)
     finally:
         for m, mode in zip(chunks, modes):
             m.train(mode)
@@ -129,15 +153,19 @@ def compute_logprobs(model, microbatches: Sequence[TrainMicroBatch], *, vocab_si
 
 
 def fill_old_logprobs(model, microbatches: Sequence[TrainMicroBatch], *, vocab_size: int,
-                      chunk_size: int = DEFAULT_CHUNK_TOKENS) -> list[TrainMicroBatch]:
+                      chunk_size: int = DEFAULT_CHUNK_TOKENS, fused_lm_head: bool = DEFAULT_FUSED_LM_HEAD
+                      ) -> list[TrainMicroBatch]:
     """``microbatches`` with ``old_logprobs_T`` from ``model`` (the current policy, before updating).
     Off the last pipeline stage they come back unchanged (the loss runs on the last stage)."""
-    res = compute_logprobs(model, microbatches, vocab_size=vocab_size, chunk_size=chunk_size)
+    res = compute_logprobs(model, microbatches, vocab_size=vocab_size, chunk_size=chunk_size,
+                           fused_lm_head=fused_lm_head)
     return [m if r is None else m.with_logprobs(old_logprobs_T=r["logprobs_T"]) for m, r in zip(microbatches, res)]
 
 
 def fill_ref_logprobs(ref_model, microbatches: Sequence[TrainMicroBatch], *, vocab_size: int,
-                      chunk_size: int = DEFAULT_CHUNK_TOKENS) -> list[TrainMicroBatch]:
+                      chunk_size: int = DEFAULT_CHUNK_TOKENS, fused_lm_head: bool = DEFAULT_FUSED_LM_HEAD
+                      ) -> list[TrainMicroBatch]:
     """``microbatches`` with ``ref_logprobs_T`` from the frozen reference ``ref_model``."""
-    res = compute_logprobs(ref_model, microbatches, vocab_size=vocab_size, chunk_size=chunk_size)
+    res = compute_logprobs(ref_model, microbatches, vocab_size=vocab_size, chunk_size=chunk_size,
+                           fused_lm_head=fused_lm_head)
     return [m if r is None else m.with_logprobs(ref_logprobs_T=r["logprobs_T"]) for m, r in zip(microbatches, res)]

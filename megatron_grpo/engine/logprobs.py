@@ -31,6 +31,11 @@ Memory: the largest float32 temporaries are ``[c, Vl]`` (two of them at once); n
 Collectives: two per chunk in the forward (same count on every TP rank: the chunking is a function
 of ``R`` only), none in the backward.
 
+The per-chunk forward statistics (``_chunk_stats``) and backward formula (``_chunk_dlogits``) are
+shared with ``engine.fused_logprobs``, which multiplies each chunk's logits from the final hidden
+states and the output weight itself, so that neither the logits nor their gradient ever exist
+(``token_logprobs(..., lm_head_weight=W)``).
+
 Alignment (:func:`token_logprobs`): the logits at position ``t`` predict token ``t + 1``.
 The result is aligned to the *tokens*, like ``Trajectory.rollout_logprobs_T``: ``logprobs_T[t] =
 log p(input_ids[t] | input_ids[:t] of the same sample)``, taken from the logits at ``t - 1``; the
@@ -75,6 +80,60 @@ def _resolve_group(group):
     return ps.get_tensor_model_parallel_group()
 
 
+def _chunk_stats(x_cV: torch.Tensor, local_t_c: torch.Tensor, own_c: torch.Tensor, group, tp_size: int,
+                 with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Steps 1-3 of the module doc for one chunk: ``(logp [c], logZ [c], H [c])``.
+
+    ``x_cV``: ``[c, n_real]`` logits of the chunk's rows over this rank's *real* columns, in the
+    compute dtype, a fresh tensor (overwritten with ``x - m``); ``[c, 0]`` when all of this rank's
+    columns are padding. ``local_t_c``: the target's local column (0 where not owned), ``own_c``:
+    whether this rank owns it. Issues the two TP all-reduces (every rank, same order). ``H`` is
+    meaningless (``log S``) when ``with_entropy`` is off. Shared by the logits path and the fused
+    output-layer path (``engine.fused_logprobs``)."""
+    c, n_real = x_cV.shape
+    ct, dev = x_cV.dtype, x_cV.device
+    if n_real > 0:
+        m = x_cV.max(dim=-1).values
+    else:
+        m = torch.full((c,), float("-inf"), dtype=ct, device=dev)
+    if tp_size > 1:
+        torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=group)
+    x_cV.sub_(m[:, None])  # x - m
+    ex = torch.exp(x_cV)
+    stats = torch.empty(3, c, dtype=ct, device=dev)
+    stats[0] = ex.sum(dim=-1)
+    if with_entropy:
+        stats[1] = torch.bmm(ex.unsqueeze(1), x_cV.unsqueeze(2)).view(c)  # sum exp(x-m) * (x-m)
+    else:
+        stats[1] = 0.0
+    del ex
+    tgt = x_cV.gather(1, local_t_c[:, None]).view(c) if n_real > 0 else torch.zeros(c, dtype=ct, device=dev)
+    stats[2] = torch.where(own_c, tgt, torch.zeros_like(tgt))
+    if tp_size > 1:
+        torch.distributed.all_reduce(stats, group=group)
+    log_s = torch.log(stats[0])
+    return stats[2] - log_s, m + log_s, log_s - stats[1] / stats[0]
+
+
+def _chunk_dlogits(x_cV: torch.Tensor, logz_c: torch.Tensor, ent_c: torch.Tensor, g_logp_c: torch.Tensor,
+                   g_ent_c: Optional[torch.Tensor], local_t_c: torch.Tensor, own_c: torch.Tensor) -> torch.Tensor:
+    """The backward's formula (module doc) for one chunk: ``d loss / d x`` ``[c, n_real]`` in the
+    compute dtype, computed in place in ``x_cV`` (the chunk's recomputed real-column logits, a fresh
+    tensor, ``n_real > 0``). ``g_ent_c`` None: no entropy gradient. No communication."""
+    x_cV.sub_(logz_c[:, None])  # x - logZ = log p
+    p = torch.exp(x_cV)
+    gl = g_logp_c[:, None]
+    if g_ent_c is not None:
+        # grad = -p * (g_logp + g_H * (x - E_p[x])),  x - E_p[x] = (x - logZ) + H
+        x_cV.add_(ent_c[:, None]).mul_(g_ent_c[:, None]).add_(gl).mul_(p).neg_()
+    else:
+        x_cV = p.mul_(gl).neg_()
+    del p
+    onehot = torch.where(own_c, g_logp_c, torch.zeros_like(g_logp_c))
+    x_cV.scatter_add_(1, local_t_c[:, None], onehot[:, None])
+    return x_cV
+
+
 class _VocabParallelLogprobs(torch.autograd.Function):
     """logits [T, Vl] (local shard), rows [R], targets [R] -> (logprobs [R], entropy [R]) in float32
     (float64 for float64 logits)."""
@@ -93,35 +152,14 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         for s in range(0, R, chunk):
             e = min(R, s + chunk)
             rows = rows_R[s:e]
-            c = e - s
             if n_real > 0:
-                # a fresh copy (index_select), so the in-place ops below never touch the logits
+                # a fresh copy (index_select), so the in-place ops of _chunk_stats never touch the logits
                 x = logits_TV.index_select(0, rows)[:, :n_real].to(ct)
-                m = x.max(dim=-1).values
             else:  # this rank's columns are all vocab padding
-                x = torch.empty(c, 0, dtype=ct, device=dev)
-                m = torch.full((c,), float("-inf"), dtype=ct, device=dev)
-            if tp_size > 1:
-                torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=group)
-            x.sub_(m[:, None])  # x - m
-            ex = torch.exp(x)
-            stats = torch.empty(3, c, dtype=ct, device=dev)
-            stats[0] = ex.sum(dim=-1)
-            if with_entropy:
-                stats[1] = torch.bmm(ex.unsqueeze(1), x.unsqueeze(2)).view(c)  # sum exp(x-m) * (x-m)
-            else:
-                stats[1] = 0.0
-            del ex
-            own = owned_R[s:e]
-            tgt = x.gather(1, local_t_R[s:e, None]).view(c) if n_real > 0 else torch.zeros(c, dtype=ct, device=dev)
-            stats[2] = torch.where(own, tgt, torch.zeros_like(tgt))
+                x = torch.empty(e - s, 0, dtype=ct, device=dev)
+            logp_R[s:e], logz_R[s:e], ent_R[s:e] = _chunk_stats(x, local_t_R[s:e], owned_R[s:e], group, tp_size,
+                                                               with_entropy)
             del x
-            if tp_size > 1:
-                torch.distributed.all_reduce(stats, group=group)
-            log_s = torch.log(stats[0])
-            logp_R[s:e] = stats[2] - log_s
-            logz_R[s:e] = m + log_s
-            ent_R[s:e] = log_s - stats[1] / stats[0]
         ctx.save_for_backward(logits_TV, rows_R, local_t_R, owned_R, logz_R, ent_R)
         ctx.n_real, ctx.chunk, ctx.with_entropy = n_real, chunk, with_entropy
         if not with_entropy:
@@ -148,24 +186,43 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             e = min(R, s + chunk)
             rows = rows_R[s:e]
             xs = logits_TV.index_select(0, rows)[:, :n_real].to(ct)
-            xs.sub_(logz_R[s:e, None])  # x - logZ = log p
-            p = torch.exp(xs)
-            gl = g_logp_R[s:e, None]
-            if use_ent:
-                # grad = -p * (g_logp + g_H * (x - E_p[x])),  x - E_p[x] = (x - logZ) + H
-                xs.add_(ent_R[s:e, None]).mul_(g_ent_R[s:e, None]).add_(gl).mul_(p).neg_()
-            else:
-                xs = p.mul_(gl).neg_()
-            del p
-            own = owned_R[s:e]
-            onehot = torch.where(own, g_logp_R[s:e], torch.zeros_like(g_logp_R[s:e]))
-            xs.scatter_add_(1, local_t_R[s:e, None], onehot[:, None])
+            xs = _chunk_dlogits(xs, logz_R[s:e], ent_R[s:e], g_logp_R[s:e], g_ent_R[s:e] if use_ent else None,
+                                local_t_R[s:e], owned_R[s:e])
             # rows are distinct (a row is asked for once), so index_copy_ is exact
             sub = grad_TV.index_select(0, rows)
             sub[:, :n_real] = xs.to(grad_TV.dtype)
             grad_TV.index_copy_(0, rows, sub)
             del xs, sub
         return grad_TV, None, None, None, None, None, None, None, None
+
+
+def _check_chunk(chunk_size) -> None:
+    if int(chunk_size) != chunk_size or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+
+
+def _prepare(T: int, Vl: int, targets: torch.Tensor, rows: Optional[torch.Tensor], vocab_size: int, group,
+             device, what: str):
+    """Checks and normalises what both logprob paths get: ``(group, tp, vocab_start, n_real,
+    rows [R], targets [R])`` for a ``[T, Vl]`` local vocab shard."""
+    tp, tp_rank = _tp_info(group)
+    if tp > 1:
+        group = _resolve_group(group)
+    if Vl * tp < vocab_size:
+        raise ValueError(f"{what} {Vl} columns x tp={tp} = {Vl * tp} < vocab_size={vocab_size}: "
+                         "are these TP-sharded logits with the right group?")
+    vocab_start = tp_rank * Vl
+    n_real = max(0, min(Vl, vocab_size - vocab_start))
+    if rows is None:
+        rows = torch.arange(T, device=device)
+    rows = rows.to(device=device, dtype=torch.long).reshape(-1)
+    targets = targets.to(device=device, dtype=torch.long).reshape(-1)
+    if targets.shape[0] != rows.shape[0]:
+        if targets.shape[0] == T:
+            targets = targets.index_select(0, rows)
+        else:
+            raise ValueError(f"targets has {targets.shape[0]} entries; need T={T} or one per row ({rows.shape[0]})")
+    return group, tp, vocab_start, n_real, rows, targets
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int,
@@ -192,26 +249,10 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, voca
         raise ValueError(f"logits must be [T, 1, Vl] or [T, Vl], got {tuple(logits.shape)}")
     if not logits.is_floating_point():
         raise TypeError(f"logits must be floating point, got {logits.dtype}")
-    if int(chunk_size) != chunk_size or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    _check_chunk(chunk_size)
     T, Vl = logits.shape
-    tp, tp_rank = _tp_info(group)
-    if tp > 1:
-        group = _resolve_group(group)
-    if Vl * tp < vocab_size:
-        raise ValueError(f"logits hold {Vl} columns x tp={tp} = {Vl * tp} < vocab_size={vocab_size}: "
-                         "are these TP-sharded logits with the right group?")
-    vocab_start = tp_rank * Vl
-    n_real = max(0, min(Vl, vocab_size - vocab_start))
-    if rows is None:
-        rows = torch.arange(T, device=logits.device)
-    rows = rows.to(device=logits.device, dtype=torch.long).reshape(-1)
-    targets = targets.to(device=logits.device, dtype=torch.long).reshape(-1)
-    if targets.shape[0] != rows.shape[0]:
-        if targets.shape[0] == T:
-            targets = targets.index_select(0, rows)
-        else:
-            raise ValueError(f"targets has {targets.shape[0]} entries; need T={T} or one per row ({rows.shape[0]})")
+    group, tp, vocab_start, n_real, rows, targets = _prepare(T, Vl, targets, rows, vocab_size, group, logits.device,
+                                                             "logits hold")
     logp, ent = _VocabParallelLogprobs.apply(logits, rows, targets, vocab_start, n_real, group, tp,
                                              int(chunk_size), bool(with_entropy))
     return logp, (ent if with_entropy else None)
@@ -239,10 +280,16 @@ def shift_right_within_samples(values_T: torch.Tensor, cu_seqlens_S: torch.Tenso
 
 def token_logprobs(logits: torch.Tensor, input_ids_T: torch.Tensor, cu_seqlens_S: torch.Tensor, *,
                    vocab_size: int, token_mask_T: Optional[torch.Tensor] = None,
-                   chunk_size: int = DEFAULT_CHUNK_TOKENS, with_entropy: bool = False, group=None
+                   chunk_size: int = DEFAULT_CHUNK_TOKENS, with_entropy: bool = False, group=None,
+                   lm_head_weight: Optional[torch.Tensor] = None
                    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Token-aligned ``(logprobs_T, entropy_T)`` (float32 ``[T]``; float64 for float64 logits) of a
     packed micro-batch.
+
+    ``logits``: the thinker's vocab-parallel logits ``[T, 1, Vl]``, or, with ``lm_head_weight``
+    (this TP rank's output-layer weight ``[Vl, H]``), its final hidden states ``[T, 1, H]``
+    (``OmniThinker.forward(return_hidden=True)``): then the fused path of
+    ``engine.fused_logprobs`` computes the same values without ever materialising the logits.
 
     ``logprobs_T[t] = log p(input_ids_T[t] | earlier tokens of its sample)`` (module doc,
     "Alignment"); 0 at every segment start. ``token_mask_T`` (bool ``[T]``, token-aligned, e.g. the
@@ -260,8 +307,13 @@ def token_logprobs(logits: torch.Tensor, input_ids_T: torch.Tensor, cu_seqlens_S
         want_T = want_T & token_mask_T.to(device=dev, dtype=torch.bool)
     tok = want_T.nonzero().view(-1)  # tokens to score; each is predicted from row tok - 1
     rows = tok - 1
-    logp_R, ent_R = vocab_parallel_logprobs(logits, ids.index_select(0, tok), vocab_size=vocab_size, rows=rows,
-                                            chunk_size=chunk_size, with_entropy=with_entropy, group=group)
+    kw = dict(vocab_size=vocab_size, rows=rows, chunk_size=chunk_size, with_entropy=with_entropy, group=group)
+    if lm_head_weight is None:
+        logp_R, ent_R = vocab_parallel_logprobs(logits, ids.index_select(0, tok), **kw)
+    else:
+        from .fused_logprobs import fused_vocab_parallel_logprobs
+
+        logp_R, ent_R = fused_vocab_parallel_logprobs(logits, lm_head_weight, ids.index_select(0, tok), **kw)
     logp_T = torch.zeros(T, dtype=logp_R.dtype, device=dev).index_put((tok,), logp_R)
     ent_T = None
     if with_entropy:

@@ -19,7 +19,8 @@ invariant 1), does:
    rank.
 4. **Forward/backward** with ``get_forward_backward_func()`` (TP/SP, EP alltoall, PP 1F1B, DP).
    Per micro-batch, the loss is ``megatron_grpo.algo.losses.policy_loss`` of the token-aligned
-   logprobs (``engine.logprobs``, vocab-parallel, chunked) with TIS/MIS weights from
+   logprobs (``engine.logprobs``, vocab-parallel, chunked; with ``fused_lm_head`` the output layer
+   is fused into them, ``engine.fused_logprobs``, so no logits exist) with TIS/MIS weights from
    ``megatron_grpo.algo.importance`` between the behaviour policy (``old_logprobs_T``, or the
    step's own logprobs detached when absent: on-policy) and the rollout logprobs.
 
@@ -64,7 +65,7 @@ from megatron_grpo.algo.importance import ISConfig, importance_weights
 from megatron_grpo.algo.losses import LossConfig, metric_reduce_op, policy_loss, reduce_metrics
 
 from .batch import TrainMicroBatch
-from .forward import fill_old_logprobs, is_last_stage, model_device, run_schedule
+from .forward import DEFAULT_FUSED_LM_HEAD, fill_old_logprobs, is_last_stage, model_device, run_schedule
 from .logprobs import DEFAULT_CHUNK_TOKENS, token_logprobs
 
 __all__ = ["StepConfig", "NonFiniteGradError", "NonFiniteGuard", "forward_backward", "optimizer_update",
@@ -93,6 +94,9 @@ class StepConfig:
     """Tokens per chunk of the vocab-parallel log-softmax (bounds its float32 memory)."""
     compute_entropy: bool = True
     """Compute per-token entropy for the metrics (always on when ``loss.entropy_coef > 0``)."""
+    fused_lm_head: bool = DEFAULT_FUSED_LM_HEAD
+    """Fuse the output layer into the chunked logprobs (``engine.fused_logprobs``): the logits
+    ``[T, Vp/tp]`` and their gradient are never materialised."""
 
     def __post_init__(self):
         if int(self.max_consecutive_skips) != self.max_consecutive_skips or self.max_consecutive_skips < 1:
@@ -253,12 +257,13 @@ def _count_samples(keep_T: torch.Tensor, sample_index_T: torch.Tensor) -> int:
 
 
 def _loss_for(vocab_size: int, config: StepConfig, norms: dict, scale: float, tmb: TrainMicroBatch,
-              output: torch.Tensor):
-    """The loss megatron backpropagates for one micro-batch (``share * M * dp``) and its metrics."""
+              output: torch.Tensor, lm_head_weight: Optional[torch.Tensor] = None):
+    """The loss megatron backpropagates for one micro-batch (``share * M * dp``) and its metrics.
+    ``output``: the logits, or the final hidden states with ``lm_head_weight`` (fused path)."""
     mask_T = tmb.loss_mask_T.to(torch.bool)
     lp_T, ent_T = token_logprobs(output, tmb.input_ids_T, tmb.cu_seqlens_S, vocab_size=vocab_size,
                                  token_mask_T=mask_T, chunk_size=config.logprob_chunk_size,
-                                 with_entropy=config.with_entropy)
+                                 with_entropy=config.with_entropy, lm_head_weight=lm_head_weight)
     old_T = tmb.old_logprobs_T if tmb.old_logprobs_T is not None else lp_T.detach()
     isr = importance_weights(old_T, tmb.rollout_logprobs_T, mask_T, tmb.sample_index_T, config=config.importance,
                              global_num_tokens=norms["loss_tokens"], global_num_samples=norms["loss_samples"])
@@ -304,7 +309,7 @@ def forward_backward(engine, microbatches: Sequence[TrainMicroBatch], config: St
         raise StepError("this step has no micro-batches on any rank: nothing to train")
     if need_old:
         microbatches = fill_old_logprobs(engine.model, microbatches, vocab_size=engine.spec.text.vocab_size,
-                                         chunk_size=config.logprob_chunk_size)
+                                         chunk_size=config.logprob_chunk_size, fused_lm_head=config.fused_lm_head)
 
     # global normalisers and step counts (the last stage counts; every stage learns them)
     counts = torch.zeros(9, dtype=torch.float64)
@@ -336,7 +341,8 @@ def forward_backward(engine, microbatches: Sequence[TrainMicroBatch], config: St
         pass
     collected = run_schedule(engine.model, microbatches,
                              partial(_loss_for, engine.spec.text.vocab_size, config, norms, scale),
-                             forward_only=False, force_all_reduce=force_all_reduce)
+                             forward_only=False, force_all_reduce=force_all_reduce,
+                             fused_lm_head=config.fused_lm_head)
     local = reduce_metrics(collected) if collected else {}
     metrics = _reduce_metrics_dp_pp(local)
     metrics.update(_moe_aux_metric(M))

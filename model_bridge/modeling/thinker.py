@@ -75,10 +75,14 @@ class OmniThinker(MegatronModule):
     """The thinker of one pipeline stage: ``language_model`` (GPTModel) + ``audio_tower`` (stage 0).
 
     ``forward(input_ids[1, T], position_ids[3, 1, T], packed_seq_params=None, audio_features=None,
-    audio_feature_lens=None)`` returns logits ``[T, 1, Vp/tp]`` on the last stage (padded vocab
-    columns set to :data:`VOCAB_PAD_LOGIT` unless ``mask_vocab_padding=False``) and hidden states
-    ``[T(/tp with SP), 1, h]`` on the others. ``audio_features`` is ``[num_mel_bins, F_total]``
-    (the clips' frames concatenated), ``audio_feature_lens`` ``[n_clips]``.
+    audio_feature_lens=None, return_hidden=False)`` returns logits ``[T, 1, Vp/tp]`` on the last
+    stage (padded vocab columns set to :data:`VOCAB_PAD_LOGIT` unless ``mask_vocab_padding=False``)
+    and hidden states ``[T(/tp with SP), 1, h]`` on the others. ``audio_features`` is
+    ``[num_mel_bins, F_total]`` (the clips' frames concatenated), ``audio_feature_lens``
+    ``[n_clips]``. With ``return_hidden=True`` the last stage skips the output layer and returns
+    the final hidden states (after the final norm) ``[T, 1, h]``, as the output layer would see
+    them (:meth:`lm_head_input`); :meth:`lm_head_weight` is the output layer's weight shard
+    ``[Vp/tp, h]`` (for ``megatron_grpo.engine.fused_logprobs``). Other stages ignore it.
     """
 
     def __init__(self, spec: OmniSpec, layout: ParallelLayout, config, *, pre_process: bool = True,
@@ -185,7 +189,7 @@ class OmniThinker(MegatronModule):
 
     def forward(self, input_ids: Optional[torch.Tensor], position_ids: torch.Tensor, packed_seq_params=None,
                 audio_features: Optional[torch.Tensor] = None, audio_feature_lens: Optional[torch.Tensor] = None,
-                attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                attention_mask: Optional[torch.Tensor] = None, return_hidden: bool = False) -> torch.Tensor:
         if position_ids.dim() == 2:  # [3, T] -> [3, 1, T]
             position_ids = position_ids.unsqueeze(1)
         if position_ids.dim() != 3 or position_ids.shape[0] != 3:
@@ -206,8 +210,18 @@ class OmniThinker(MegatronModule):
             if input_ids is None:
                 raise ValueError("the first pipeline stage needs input_ids")
             decoder_input = self.embed(input_ids, audio_features, audio_feature_lens)
-        out = self.language_model(input_ids, position_ids, attention_mask, decoder_input=decoder_input,
-                                  packed_seq_params=packed_seq_params)
+        lm = self.language_model
+        hidden_only = return_hidden and self.post_process
+        if hidden_only:
+            lm.post_process = False  # GPTModel._postprocess then returns the decoder's (final-normed) output
+        try:
+            out = lm(input_ids, position_ids, attention_mask, decoder_input=decoder_input,
+                     packed_seq_params=packed_seq_params)
+        finally:
+            if hidden_only:
+                lm.post_process = True
+        if hidden_only:
+            return self.lm_head_input(out)
         if not self.post_process:
             return out  # hidden states [s(/tp), b, h]
         logits = out.transpose(0, 1)  # GPTModel gives [b, s, Vp/tp]; -> [s, b, Vp/tp]
@@ -216,6 +230,37 @@ class OmniThinker(MegatronModule):
             if n_real < logits.shape[-1]:
                 logits[..., n_real:] = VOCAB_PAD_LOGIT
         return logits
+
+    def lm_head_weight(self) -> torch.Tensor:
+        """The output layer's weight shard ``[Vp/tp, h]`` (last pipeline stage)."""
+        if not self.post_process:
+            raise RuntimeError("lm_head_weight() exists on the last pipeline stage only")
+        return self.language_model.output_layer.weight
+
+    def lm_head_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden states ``[s(/tp), b, h]`` -> what the output layer multiplies, ``[s, b, h]``.
+
+        Does the output layer's input handling (``ColumnParallelLinear``) without its GEMM: with
+        sequence parallelism an all-gather over TP whose backward reduce-scatters, else (tp > 1)
+        an identity whose backward all-reduces (each TP rank's gradient covers its vocab shard
+        only). First runs the output layer's forward pre-hooks, as calling it would (megatron DDP's
+        ``overlap_param_gather`` waits there for the weight's all-gather).
+        """
+        from megatron.core import tensor_parallel
+
+        ol = self.language_model.output_layer
+        for hook_id, hook in list(ol._forward_pre_hooks.items()):
+            if hook_id in ol._forward_pre_hooks_with_kwargs:
+                hook(ol, (hidden,), {})
+            else:
+                hook(ol, (hidden,))
+        group = ol.tp_group
+        if ol.sequence_parallel:
+            return tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True,
+                                                                        group=group)
+        if group is not None and group.size() > 1:
+            return tensor_parallel.copy_to_tensor_model_parallel_region(hidden, group=group)
+        return hidden
 
     def _local_real_vocab(self, local: int) -> int:
         """Real (non-padding) vocab columns in this TP rank's slice of the logits."""
