@@ -307,6 +307,9 @@ class TrainConfig:
                              "never syncs expert gradients then; use etp=tp or ep>1")
         if (p.nproc // p.pp) % (p.ep * etp):
             raise ValueError(f"parallel.ep*etp={p.ep * etp} must divide nproc/pp={p.nproc // p.pp}")
+        if self.rollout.server == "replay":
+            from megatron_grpo.run.replay import check_steps
+            check_steps(self.rollout.replay_dir, self.trainer.steps)
 
 
 def train_dtype(cfg: TrainConfig) -> torch.dtype:

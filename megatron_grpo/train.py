@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -59,7 +58,6 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
     """Run (or resume) the job described by `cfg` on this process's rank; returns an exit code."""
     from megatron.core import parallel_state as ps
 
-    from megatron_grpo.algo.advantages import compute_advantages
     from megatron_grpo.data.reader import DataIterator, read_jsonl
     from megatron_grpo.engine.batch import build_train_microbatches
     from megatron_grpo.engine.checkpoint import load_checkpoint, save_checkpoint
@@ -70,8 +68,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
     from megatron_grpo.metrics import MetricsLogger
     from megatron_grpo.packing import PackingConfig, plan_step, round_up
     from megatron_grpo.run.embedded import ensure_embedded_inputs
-    from megatron_grpo.run.rollout_side import RolloutFeed, RolloutSide
-    from megatron_grpo.weight_sync.gather import export_to_rank0
+    from megatron_grpo.run.rollout_side import open_feed, open_side
     from model_bridge.config import ParallelLayout
     from model_bridge.parallel import destroy_parallel, init_parallel
 
@@ -89,7 +86,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
     cfg = _broadcast(cfg)  # every rank sees the resolved paths
     layout = ParallelLayout(tp=p.tp, ep=p.ep, etp=p.etp, pp=p.pp)
     dtype = train_dtype(cfg)  # the local vLLM server gets the same (config.serve_dtype)
-    side = RolloutSide(cfg, run_dir) if rank == 0 else None  # vLLM starts while ranks build the model
+    side = open_side(cfg, run_dir) if rank == 0 else None  # vLLM starts while ranks build the model
     engine = build_engine(cfg.model.hf_dir, layout, cfg.optimizer, dtype=dtype, backend=cfg.model.backend)
     dataset = read_jsonl(cfg.data.train_jsonl, cfg.data)
     data = DataIterator.from_config(dataset, cfg.data, cfg.trainer.prompts_per_step)
@@ -105,6 +102,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
                           logprob_chunk_size=cfg.trainer.logprob_chunk_size,
                           fused_lm_head=cfg.trainer.fused_lm_head)
     logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, plot=cfg.logging.plot) if rank == 0 else None
+    feed = open_feed(cfg, side, data, rank)  # rollout.server replay: a recording's steps, no server, no push
 
     start = 0
     if resume:
@@ -114,15 +112,13 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
         if logger:
             logger.truncate_after(start)
     if start > 0 or resume:  # the server must serve the checkpoint's weights, not the HF dir's
-        weights = export_to_rank0(engine.model)
-        side.push(weights, start) if rank == 0 else sum(1 for _ in weights)
+        feed.push(engine.model, start)
 
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     bar = None
     if rank == 0 and cfg.logging.progress:
         from tqdm import tqdm
         bar = tqdm(total=cfg.trainer.steps, initial=start, desc="grpo", unit="step", dynamic_ncols=True)
-    feed = RolloutFeed(side, data, cfg.rollout.overlap, rank)
     preempt = PreemptionHandler().install()
     g = cfg.guard
     code = 0
@@ -132,16 +128,11 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
                 with wd.step(step):
                     times = {}
                     t0 = time.monotonic()
-                    trajs, _ = feed.take(step, _broadcast)                      # 1. rollout (rank 0)
+                    trajs, extra = feed.take(step, _broadcast)     # 1-2. rollout (rank 0), advantages
                     times["rollout"] = time.monotonic() - t0
                     if step < cfg.trainer.steps:
                         feed.prefetch(step + 1)  # rollout.overlap: step+1 rolls out while this step trains
                     t0 = time.monotonic()
-                    rewards_N = torch.tensor([t.reward for t in trajs], dtype=torch.float32)   # 2. advantages
-                    groups_N = torch.tensor([t.group_id for t in trajs])
-                    adv = compute_advantages(rewards_N, groups_N, cfg.loss.variant)
-                    keep = [i for i in range(len(trajs)) if bool(adv.keep_N[i])]
-                    trajs = [replace(trajs[i], advantage=float(adv.values_N[i])) for i in keep]
                     plan = plan_step([t.num_tokens for t in trajs], dp_size, packing)  # 3. pack
                     mbs = build_train_microbatches(trajs, plan, dp_rank, packing, feature_extractor=features,
                                                    n_window=engine.spec.audio.n_window)
@@ -153,11 +144,10 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
                     t0 = time.monotonic()
                     feed.settle()                                               # 5. push to vLLM
                     with wd.collective("weight_push"):
-                        weights = export_to_rank0(engine.model)
-                        side.push(weights, step) if rank == 0 else sum(1 for _ in weights)
+                        feed.push(engine.model, step)
                     push_s = time.monotonic() - t0
                     if rank == 0:                                               # 6. log
-                        m = _step_metrics(step, trajs, train_metrics, push_s, times)
+                        m = {**_step_metrics(step, trajs, train_metrics, push_s, times), **extra}
                         logger.log(step, m)
                         if bar:
                             bar.set_postfix(reward=f"{m['reward/mean']:.3f}", kl=f"{m.get('mismatch_kl_k3', 0.0):.1e}",

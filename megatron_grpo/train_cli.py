@@ -46,6 +46,9 @@ def _check_model_fits(cfg, world_size: int) -> None:
     p = cfg.parallel
     check_layout(read_omni_config(cfg.model.hf_dir), ParallelLayout(tp=p.tp, ep=p.ep, etp=p.etp, pp=p.pp),
                  world_size=world_size)
+    if cfg.rollout.server == "replay":  # the recording fits this checkpoint (vocab, audio mel bins)
+        from megatron_grpo.run.replay import check_compatible, read_manifest
+        check_compatible(read_manifest(cfg.rollout.replay_dir), cfg.model.hf_dir, cfg.rollout.replay_dir)
 
 
 # megatron-core and torch warn about optional kernels we knowingly do without; keep the run's

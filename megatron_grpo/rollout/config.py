@@ -27,10 +27,19 @@ class RolloutConfig:
     """The rollout section of the run config (docs/rollout.md)."""
 
     # ------------------------------------------------------------------ servers and transport
-    server: Literal["local", "remote"] = "local"
+    server: Literal["local", "remote", "replay"] = "local"
     """"local": `mgrpo train` starts a vLLM server itself (`mgrpo serve` on this machine, settings
     in the ``serve`` section) and stops it at exit; ``server_urls`` is then ignored. "remote":
-    connect to the running servers in ``server_urls``."""
+    connect to the running servers in ``server_urls``. "replay": no server at all; step k trains on
+    the trajectories recorded for step k in ``replay_dir`` (rewards and advantages as recorded), and
+    no weights are pushed (docs/training.md, "Record and replay rollouts")."""
+    record_dir: Optional[str] = None
+    """Save each step's trajectories, exactly as the trainer consumed them (token ids, loss masks,
+    rollout logprobs, audio, group ids, rewards, advantages) and the step's rollout counters to
+    ``<record_dir>/step_{k:06d}.pt``, plus ``manifest.json`` (model, vocab size, audio feature
+    dims, steps recorded, run config). None: no recording."""
+    replay_dir: Optional[str] = None
+    """A ``record_dir`` to replay with ``server: replay``; it must hold steps 1..trainer.steps."""
     server_urls: list = field(default_factory=lambda: ["http://127.0.0.1:8000"])
     """Base URLs of the vLLM servers (`mgrpo serve`), e.g. ``["http://10.0.0.5:8000", ...]``.
     Requests go to the least-loaded one (fewest requests in flight); a conversation prefers the
@@ -153,6 +162,24 @@ class RolloutConfig:
                 raise ValueError(f"rollout.server_urls lists {u} twice")
             urls.append(u)
         self.server_urls = urls
+        for name in ("record_dir", "replay_dir"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, (str, os.PathLike)) or not os.fspath(v)):
+                raise ValueError(f"rollout.{name} must be None or a directory path, got {v!r}")
+            if v is not None:
+                setattr(self, name, os.path.abspath(os.fspath(v)))
+        if self.server == "replay":
+            if self.replay_dir is None:
+                raise ValueError("rollout.server=replay needs rollout.replay_dir=<a rollout.record_dir "
+                                 "of an earlier run>")
+            from megatron_grpo.run.replay import read_manifest
+            read_manifest(self.replay_dir)  # exists, with a manifest
+            if self.record_dir is not None:
+                raise ValueError("rollout.record_dir with rollout.server=replay would only copy the "
+                                 "recording; unset one of them")
+        elif self.replay_dir is not None:
+            raise ValueError(f"rollout.replay_dir is set but rollout.server={self.server!r}: "
+                             "set rollout.server=replay to train on the recording")
         if self.api_key is None:
             self.api_key = os.environ.get("VLLM_API_KEY") or None
 

@@ -1,6 +1,11 @@
-"""Rank 0's side of the loop: the vLLM server(s), the multi-turn rollout engine, the weight push."""
+"""Rank 0's side of the loop: the vLLM server(s), the multi-turn rollout engine, the weight push.
+
+`open_side` / `open_feed` pick the live pair (RolloutSide, RolloutFeed) or, with
+``rollout.server: replay``, the recording's (megatron_grpo/run/replay.py) behind the same interface.
+"""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from megatron_grpo.config import TrainConfig, serve_dtype, train_dtype
@@ -17,6 +22,38 @@ def local_server_spec(cfg: TrainConfig):
                       max_model_len=s.max_model_len, max_num_seqs=s.max_num_seqs,
                       seed=cfg.trainer.seed, max_audio_per_prompt=s.max_audio_per_prompt,
                       cpu_kvcache_gib=s.cpu_kvcache_gib, extra_args=list(s.extra_args))
+
+
+def open_side(cfg: TrainConfig, run_dir: Path):
+    """Rank 0's side: a ReplaySide for ``rollout.server: replay``, else a RolloutSide."""
+    if cfg.rollout.server == "replay":
+        from megatron_grpo.run.replay import ReplaySide
+        return ReplaySide(cfg, run_dir)
+    return RolloutSide(cfg, run_dir)
+
+
+def open_feed(cfg: TrainConfig, side, data, rank: int):
+    """Every rank's feed of trajectories (with advantages): replayed or rolled out."""
+    if cfg.rollout.server == "replay":
+        from megatron_grpo.run.replay import ReplayFeed
+        return ReplayFeed(side, data, rank)
+    recorder = None
+    if cfg.rollout.record_dir and rank == 0:
+        from megatron_grpo.run.replay import Recorder
+        recorder = Recorder(cfg)
+    return RolloutFeed(side, data, cfg.rollout.overlap, rank, variant=cfg.loss.variant, recorder=recorder)
+
+
+def with_advantages(trajs, variant: str):
+    """The trajectories the trainer consumes: advantages filled in, filtered samples dropped."""
+    import torch
+
+    from megatron_grpo.algo.advantages import compute_advantages
+
+    rewards_N = torch.tensor([t.reward for t in trajs], dtype=torch.float32)
+    groups_N = torch.tensor([t.group_id for t in trajs])
+    adv = compute_advantages(rewards_N, groups_N, variant)
+    return [replace(trajs[i], advantage=float(adv.values_N[i])) for i in range(len(trajs)) if bool(adv.keep_N[i])]
 
 
 class RolloutSide:
@@ -82,8 +119,9 @@ class RolloutFeed:
     position from before the prefetch, so a resume rolls that batch out again with its weights.
     """
 
-    def __init__(self, side, data, overlap: bool, rank: int):
+    def __init__(self, side, data, overlap: bool, rank: int, variant: str = "grpo", recorder=None):
         self.side, self.data, self.overlap, self.rank = side, data, overlap, rank
+        self.variant, self.recorder = variant, recorder
         self.pool = None
         if overlap and rank == 0:
             from concurrent.futures import ThreadPoolExecutor
@@ -97,7 +135,8 @@ class RolloutFeed:
         return [step * 10_000 + i for i in range(n)]
 
     def take(self, step: int, broadcast):
-        """(trajectories, rollout stats or None off rank 0) of `step`."""
+        """(trajectories with advantages, extra metrics for rank 0's log) of `step`; with a recorder,
+        rank 0 saves exactly those trajectories (rollout.record_dir)."""
         if self.prefetched_rows is not None:
             rows, self.prefetched_rows, self.state_before_prefetch = self.prefetched_rows, None, None
             batch = self.future.result() if self.rank == 0 else None
@@ -105,8 +144,10 @@ class RolloutFeed:
         else:
             rows = self.data.next_batch()
             batch = self.side.rollout(rows, self.group_ids(step, len(rows))) if self.rank == 0 else None
-        trajs = broadcast(batch.trajectories if batch is not None else None)
-        return trajs, (batch.stats if batch is not None else None)
+        trajs = with_advantages(broadcast(batch.trajectories if batch is not None else None), self.variant)
+        if self.recorder is not None:
+            self.recorder.record(step, trajs, batch.stats)
+        return trajs, {}
 
     def prefetch(self, next_step: int) -> None:
         """With overlap: start rolling out `next_step`'s prompts now (rank 0), in the background."""
@@ -122,6 +163,13 @@ class RolloutFeed:
         """Wait for a background rollout (rank 0) so that nothing is in flight during a push."""
         if self.future is not None:
             self.future.result()
+
+    def push(self, model, version: int) -> None:
+        """Gather the weights to rank 0 (a collective: every rank calls it) and push them to vLLM."""
+        from megatron_grpo.weight_sync.gather import export_to_rank0
+
+        weights = export_to_rank0(model)
+        self.side.push(weights, version) if self.rank == 0 else sum(1 for _ in weights)
 
     def data_state(self) -> dict:
         """The data position to checkpoint: before any prefetched batch."""
