@@ -37,8 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"mgrpo {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
-    s = sub.add_parser("make-tiny", help="write a tiny random Qwen3-Omni-MoE checkpoint "
-                                         "in the released model's on-disk layout")
+    h = "write a tiny random Qwen3-Omni-MoE checkpoint in the released model's on-disk layout"
+    s = sub.add_parser("make-tiny", help=h, description=h[0].upper() + h[1:] + " (what `mgrpo train` "
+                       "builds into $MGRPO_CACHE when model.hf_dir is unset).")
     s.add_argument("--out", required=True, help="output directory")
     s.add_argument("--preset", choices=["tiny", "small"], default="tiny",
                    help="model size (tiny: CPU tests; small: a little wider/deeper)")
@@ -47,8 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write talker.* and code2wav.* tensors (for pass-through tests)")
     s.set_defaults(func=_cmd_make_tiny)
 
-    s = sub.add_parser("make-data", help="write synthetic audio-agent data (audio + JSONL) "
-                                         "in the user's format")
+    h = "write synthetic audio-agent data (audio + JSONL) in the user's format"
+    s = sub.add_parser("make-data", help=h, description=h[0].upper() + h[1:] + ": OUT/train.jsonl, "
+                       "OUT/dev.jsonl and OUT/audio/ (docs/data.md describes the format).")
     s.add_argument("--out", required=True, help="output directory")
     s.add_argument("--n", type=int, default=200, help="number of train rows")
     s.add_argument("--n-dev", type=int, default=16, help="number of dev rows")

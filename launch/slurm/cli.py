@@ -90,7 +90,7 @@ def run_launch_slurm(args: argparse.Namespace) -> int:
     except (LaunchError, ConfigKeyError, ValueError) as e:
         print(f"mgrpo launch slurm: error: {e}", file=err)
         return 2
-    g = f"{plan.gpus_per_node} GPUs" if plan.gpus_per_node else "CPU"
+    g = f"{plan.gpus_per_node} GPUs per node" if plan.gpus_per_node else "CPU"
     print(f"[launch] trainer: {plan.trainer_nodes} node(s) x {plan.nproc_per_node} rank(s) ({g}); rollout: "
           f"{plan.rollout_nodes} node(s), vLLM TP{plan.serve_tp} x DP{plan.serve_dp} each")
     print(f"[launch] wrote {', '.join(p.name for p in written)} (mode 0600) to {plan.out}")
