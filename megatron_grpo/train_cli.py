@@ -38,7 +38,8 @@ def _load(args):
 
 
 def _check_model_fits(cfg, world_size: int) -> None:
-    """Build the embedded inputs if needed, then check the layout against the checkpoint."""
+    """Build the embedded inputs if needed, then check the layout against the checkpoint and read
+    every data row (a bad row fails here, in one line, not after the vLLM server has started)."""
     from megatron_grpo.run.embedded import ensure_embedded_inputs
     from model_bridge.config import ParallelLayout, check_layout, read_omni_config
 
@@ -49,6 +50,9 @@ def _check_model_fits(cfg, world_size: int) -> None:
     if cfg.rollout.server == "replay":  # the recording fits this checkpoint (vocab, audio mel bins)
         from megatron_grpo.run.replay import check_compatible, read_manifest
         check_compatible(read_manifest(cfg.rollout.replay_dir), cfg.model.hf_dir, cfg.rollout.replay_dir)
+    else:
+        from megatron_grpo.data.reader import read_jsonl
+        read_jsonl(cfg.data.train_jsonl, cfg.data)  # DataError (a ValueError) names file, line, fix
 
 
 # megatron-core and torch warn about optional kernels we knowingly do without; keep the run's

@@ -41,6 +41,19 @@ def test_config_errors_are_one_line_naming_the_key(tmp_path):
         "mgrpo train: config error: parallel layout does not fit the model: ep=3 does not divide num_experts=8"]
 
 
+def test_bad_data_row_fails_before_any_rank_or_server_starts(tmp_path):
+    """A malformed JSONL row is reported in one line naming the file and line, with exit 2, before
+    the ranks spawn and the vLLM server starts (which takes minutes on a 30B model)."""
+    bad = tmp_path / "train.jsonl"
+    bad.write_text('{"messages": [{"role": "user", "content": "<audio>hi"}]}\n')
+    r = _mgrpo("train", f"data.train_jsonl={bad}", f"trainer.run_dir={tmp_path / 'run'}")
+    assert r.returncode == 2, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"mgrpo train: config error: {bad} line 1: missing 'audios'"), last
+    assert "vllm" not in (r.stdout + r.stderr).lower()
+    assert not (tmp_path / "run" / "vllm-server.log").exists()
+
+
 @pytest.mark.slow
 def test_embedded_default_learns_checkpoints_and_resumes(tmp_path):
     run = tmp_path / "run"
