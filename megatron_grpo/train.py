@@ -151,7 +151,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
                         logger.log(step, m)
                         if bar:
                             bar.set_postfix(reward=f"{m['reward/mean']:.3f}",  # rollout_kl: vLLM vs trainer
-                                            rollout_kl=f"{m.get('mismatch_kl_k3', 0.0):.1e}", tok_s=f"{m['tokens_per_s']:.0f}", step_s=f"{m['time/step']:.1f}")
+                                            rollout_kl=f"{m.get('mismatch_kl_k3', 0.0):.1e}",
+                                            tok_s=f"{m['tokens_per_s']:.0f}", step_s=f"{m['time/step']:.1f}")
                             bar.update(1)
                     ck = cfg.checkpoint                                          # 7. checkpoint
                     stop = preempt.agreed()
