@@ -175,11 +175,16 @@ def resolve_plan(cfg, *, trainer_nodes: Optional[int] = None, rollout_nodes: Opt
 
 
 def check_model(cfg, plan: SlurmPlan) -> Optional[str]:
-    """None when model.hf_dir is a checkpoint the layout fits; else the problem, in one line."""
+    """None when model.hf_dir is a checkpoint the layout fits and the training data exists; else the
+    problem, in one line."""
     hf = Path(cfg.model.hf_dir)
     if not (hf / "config.json").is_file():
         return (f"model.hf_dir {str(hf)!r} is not an HF checkpoint directory (no config.json) on this machine; "
                 "the rollout nodes serve it and the trainer nodes load it, so it must be on a shared file system")
+    data = cfg.data.train_jsonl
+    if cfg.rollout.server != "replay" and data is not None and not Path(data).is_file():
+        return (f"data.train_jsonl {str(data)!r} does not exist on this machine; the trainer nodes read it (and "
+                "the audio files it names), so it must be on a shared file system: set data.train_jsonl=PATH")
     from model_bridge.config import ConfigError, ParallelLayout, check_layout, read_omni_config
 
     p = cfg.parallel

@@ -271,6 +271,15 @@ def test_missing_model_dir_refused_before_submitting(tmp_path, capsys, monkeypat
     assert not calls.exists()
 
 
+def test_missing_data_file_refused_before_submitting(tmp_path, capsys, monkeypatch, tiny_ckpt):
+    calls = _fake_sbatch(tmp_path, monkeypatch)
+    missing = tmp_path / "no" / "train.jsonl"
+    rc, _, err = _launch(capsys, "--recipe", "tiny_cpu", "--out", str(tmp_path / "o"), f"model.hf_dir={tiny_ckpt}",
+                         f"data.train_jsonl={missing}", f"trainer.run_dir={tmp_path / 'run'}")
+    assert rc == 2 and f"data.train_jsonl '{missing}' does not exist on this machine" in err
+    assert not calls.exists()
+
+
 def test_submission_rollout_first_trainer_after_it(tmp_path, capsys, monkeypatch, tiny_ckpt):
     calls = _fake_sbatch(tmp_path, monkeypatch)
     out = tmp_path / "o"
