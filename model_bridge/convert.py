@@ -3,7 +3,7 @@
 Subcommands (``mgrpo convert -h`` for the options)::
 
     mgrpo convert hf-to-mcore  --hf DIR --out DIR [--tp T --ep E --etp X --pp P --nproc N] [--dtype D]
-    mgrpo convert mcore-to-hf  --mcore DIR --hf-source DIR --out DIR [--max-shard-size 1GiB]
+    mgrpo convert mcore-to-hf  --mcore DIR [--hf-source DIR] --out DIR [--max-shard-size 1GiB]
     mgrpo convert check        --hf DIR [--tp T --ep E --etp X --pp P] [--sample FILE.json]
                                [--dump-logits FILE.pt|FILE.npy] [--dtype D] [--tol X]
 
@@ -15,7 +15,10 @@ Subcommands (``mgrpo convert -h`` for the options)::
 * ``mcore-to-hf`` streams the dist checkpoint back to HF safetensors shards + index, copies the
   tensors the Megatron model does not hold (``thinker.visual.*``, ``talker.*``, ``code2wav.*``)
   from ``--hf-source`` untouched, and copies config, tokenizer, processor, chat-template and
-  generation files. The result loads in transformers and vLLM.
+  generation files. The result loads in transformers and vLLM. ``--mcore`` may also be a training
+  checkpoint (``RUN/checkpoints/step_N``: model weights only, in their stored dtype, vocab padding
+  dropped), or a run dir or its ``checkpoints/`` (the newest complete checkpoint); ``--hf-source``
+  then defaults to the run's ``model.hf_dir``.
 * ``check`` builds the Megatron model from the HF checkpoint at a layout (spawning its ranks: gloo
   on CPU, NCCL on GPU), runs one chat sample (text + audio; a built-in one unless ``--sample``),
   compares the logits with transformers' and prints the max abs difference. ``--dump-logits``
@@ -37,7 +40,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 __all__ = ["ConvertError", "hf_to_mcore", "mcore_to_hf", "check", "build_sample", "parse_size",
            "world_size_for", "add_convert_parser", "BUILTIN_SAMPLE"]
@@ -194,29 +197,60 @@ def copy_hf_side_files(src, dst) -> list[str]:
 
 
 def mcore_to_hf(mcore, hf_source, out, *, max_shard_size: str | int = "4GiB", progress: bool = True,
-                group_size: str | int = "128MiB", in_process: bool = False) -> dict:
+                group_size: str | int = "128MiB", in_process: bool = False,
+                notify: Optional[Callable[[str], None]] = None) -> dict:
     """torch_dist checkpoint dir -> HF checkpoint dir (shards + index + side files, pass-through
     tensors copied from ``hf_source``). Returns {seconds, bytes, ...}. Shards are written as the
-    tensors arrive (no buffering), so ``max_shard_size`` does not affect memory."""
-    from model_bridge.checkpoint import check_dist_checkpoint, rank_mcore_to_hf
+    tensors arrive (no buffering), so ``max_shard_size`` does not affect memory.
 
+    ``mcore`` may also be a training checkpoint (``RUN/checkpoints/step_XXXXXXXX``), a run dir or
+    its ``checkpoints/`` (the newest complete checkpoint); then ``hf_source`` None means the run's
+    ``model.hf_dir`` (its config.json). ``notify`` gets a line for each such choice (also in the
+    result's ``notes``)."""
+    from model_bridge.checkpoint import check_dist_checkpoint, rank_mcore_to_hf
+    from model_bridge.dist_ckpt.meta import is_training_checkpoint, resolve_mcore_input, training_run_hf_dir
+
+    notes: list[str] = []
+
+    def note(msg: str) -> None:
+        notes.append(msg)
+        if notify is not None:
+            notify(msg)
+
+    ckpt, picked = resolve_mcore_input(mcore)
+    if picked:
+        note(picked)
+    meta = check_dist_checkpoint(ckpt, None, allow_training=True)
+    if hf_source is None:
+        if is_training_checkpoint(meta):
+            hf_source = training_run_hf_dir(ckpt)
+            if hf_source is None:
+                raise ConvertError(f"--hf-source not given and {ckpt} is not inside a run directory whose config.json "
+                                   "names model.hf_dir: give the HF checkpoint the run started from")
+            note(f"--hf-source not given: using the run's model.hf_dir, {hf_source}")
+        elif meta.get("hf_source"):
+            hf_source = meta["hf_source"]
+            note(f"--hf-source not given: using the HF checkpoint it was converted from, {hf_source}")
+        else:
+            raise ConvertError("--hf-source is required: the HF checkpoint the dist checkpoint was converted from")
     spec, reader = _hf_input(hf_source, "--hf-source")
     del reader
-    check_dist_checkpoint(mcore, spec)
+    check_dist_checkpoint(ckpt, spec, allow_training=True)
     out = _new_out_dir(out)
     max_shard = parse_size(max_shard_size) if isinstance(max_shard_size, str) else int(max_shard_size)
     group = parse_size(group_size) if isinstance(group_size, str) else int(group_size)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     try:
-        stats = _run(rank_mcore_to_hf, 1, str(Path(mcore).resolve()), str(Path(hf_source).resolve()),
+        stats = _run(rank_mcore_to_hf, 1, str(Path(ckpt).resolve()), str(Path(hf_source).resolve()),
                      str(out.resolve()), max_shard, group, progress, in_process=in_process)[0]
     except BaseException:
         _clear(out)
         raise
     files = copy_hf_side_files(hf_source, out)
     seconds = time.perf_counter() - t0
-    return {"seconds": seconds, "bytes": stats["total_size"], "side_files": files, "out": str(out), **stats}
+    return {"seconds": seconds, "bytes": stats["total_size"], "side_files": files, "out": str(out),
+            "mcore": str(ckpt), "hf_source": str(hf_source), "notes": notes, **stats}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -458,7 +492,7 @@ def _cmd_hf_to_mcore(args) -> int:
 @_handled
 def _cmd_mcore_to_hf(args) -> int:
     r = mcore_to_hf(args.mcore, args.hf_source, args.out, max_shard_size=args.max_shard_size,
-                    progress=not args.no_progress, in_process=not args.spawn)
+                    progress=not args.no_progress, in_process=not args.spawn, notify=lambda m: print(m, flush=True))
     _write_stats(args, r)
     mb = r["bytes"] / 2**20
     print(f"wrote HF checkpoint {r['out']}: {r['n_model_tensors']} converted + {r['n_passthrough']} pass-through "
@@ -509,10 +543,13 @@ def add_convert_parser(sub) -> argparse.ArgumentParser:
     s.set_defaults(func=_cmd_hf_to_mcore)
 
     s = csub.add_parser("mcore-to-hf", help="Megatron dist checkpoint -> HF checkpoint (transformers/vLLM)")
-    s.add_argument("--mcore", required=True, help="Megatron dist checkpoint directory")
-    s.add_argument("--hf-source", required=True,
+    s.add_argument("--mcore", required=True,
+                   help="Megatron dist checkpoint directory, or a training checkpoint (RUN/checkpoints/step_N), or a "
+                        "run directory or its checkpoints/ (the newest complete checkpoint is exported)")
+    s.add_argument("--hf-source", default=None,
                    help="the HF checkpoint it came from: config, tokenizer and the tensors Megatron does not "
-                        "hold (visual, talker, code2wav) are copied from it")
+                        "hold (visual, talker, code2wav) are copied from it (default: a training run's "
+                        "model.hf_dir, or the hf_source a dist checkpoint records)")
     s.add_argument("--out", required=True, help="output directory (new or empty)")
     s.add_argument("--max-shard-size", default="4GiB",
                    help="largest safetensors shard (default 4GiB; shards are streamed, so memory does not grow "

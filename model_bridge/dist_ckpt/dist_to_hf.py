@@ -1,5 +1,9 @@
 """Dist checkpoint -> HF tensors on one rank, a group of parameters at a time
-(:func:`iter_dist_checkpoint_as_hf`), with reads narrowed to the stored chunks each load needs."""
+(:func:`iter_dist_checkpoint_as_hf`), with reads narrowed to the stored chunks each load needs.
+
+Also reads megatron-grpo training checkpoints (model tensors only, never the optimizer state):
+same keys, the vocab-parallel tensors requested at their stored padded global shape ``[Vp, H]``
+and read for their first ``vocab_size`` rows only."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,9 +14,9 @@ from typing import Iterator, Optional
 import torch
 
 from model_bridge.dist_ckpt.hf_to_dist import _progress_bar
-from model_bridge.dist_ckpt.meta import check_dist_checkpoint
+from model_bridge.dist_ckpt.meta import check_dist_checkpoint, is_training_checkpoint, resolve_mcore_input
 from model_bridge.dist_ckpt.meta_model import build_meta_thinker
-from model_bridge.dist_ckpt.sharded import _wrap_megatron_error, model_sharded_state_dict
+from model_bridge.dist_ckpt.sharded import VOCAB_PARAMS, _wrap_megatron_error, model_sharded_state_dict
 from model_bridge.io import CheckpointError
 
 
@@ -157,10 +161,74 @@ class _narrowed_reads:
             self._mod = None
 
 
-def _ckpt_dtype(meta: dict, dtype: Optional[torch.dtype]) -> torch.dtype:
+def stored_tensors(ckpt_dir) -> dict:
+    """``{key: (global shape, dtype)}`` of every tensor in a torch_dist checkpoint (its ``.metadata``)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        md = FileSystemReader(str(ckpt_dir)).read_metadata()
+    except Exception as e:  # noqa: BLE001
+        raise _wrap_megatron_error("reading the tensor index of", ckpt_dir, e) from e
+    return {k: (tuple(v.size), v.properties.dtype) for k, v in md.state_dict_metadata.items()
+            if isinstance(v, TensorStorageMetadata)}
+
+
+def _ckpt_dtype(meta: dict, dtype: Optional[torch.dtype], ckpt_dir=None) -> torch.dtype:
+    """The dtype to read in: ``dtype``, else the checkpoint's (a training checkpoint's: the stored
+    dtype of its model tensors, e.g. bfloat16 for a bf16 run)."""
     if dtype is not None:
         return dtype
+    if is_training_checkpoint(meta) and ckpt_dir is not None:
+        st = stored_tensors(ckpt_dir)
+        if VOCAB_PARAMS[0] in st:
+            return st[VOCAB_PARAMS[0]][1]
+        return torch.float32
     return getattr(torch, meta.get("dtype", "float32")) if meta else torch.float32
+
+
+def _sharded_tensors(entry) -> list:
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    if isinstance(entry, ShardedTensor):
+        return [entry]
+    if isinstance(entry, ShardedTensorFactory):  # built on the meta device: shapes only
+        built = entry.build()
+        return [x for x in (built if isinstance(built, list) else [built]) if isinstance(x, ShardedTensor)]
+    return []
+
+
+def _for_training_checkpoint(sd: dict, ckpt_dir, vocab_size: int) -> dict:
+    """The model's sharded state dict as a training checkpoint stores it: same keys (checked
+    against the stored shapes here, so a wrong ``--hf-source`` is one clear error), the
+    vocab-parallel tensors at the stored padded global shape (their first ``vocab_size`` rows
+    requested)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    stored = stored_tensors(ckpt_dir)
+    sd = dict(sd)
+    for name in VOCAB_PARAMS:
+        sh = sd.get(name)
+        if not isinstance(sh, ShardedTensor):
+            continue
+        shape = stored.get(sh.key, (None,))[0]
+        if shape is None or len(shape) != len(sh.global_shape) or shape[0] < vocab_size \
+                or tuple(shape[1:]) != tuple(sh.global_shape[1:]):
+            raise CheckpointError(f"{ckpt_dir}: {sh.key} is stored with shape {None if shape is None else list(shape)}, "
+                                  f"the model of the given HF checkpoint needs [>= {vocab_size}, "
+                                  f"{', '.join(map(str, sh.global_shape[1:]))}]: give the HF checkpoint the run "
+                                  "started from (--hf-source)")
+        sd[name] = dataclasses.replace(sh, global_shape=tuple(shape))
+    bad = []
+    for entry in sd.values():
+        for sh in _sharded_tensors(entry):
+            have = stored.get(sh.key, (None,))[0]
+            if have != tuple(sh.global_shape):
+                bad.append(f"{sh.key}: stored {None if have is None else list(have)}, model {list(sh.global_shape)}")
+    if bad:
+        raise CheckpointError(f"{ckpt_dir} does not hold this model's tensors ({len(bad)} differ, e.g. "
+                              f"{'; '.join(bad[:3])}): give the HF checkpoint the run started from (--hf-source)")
+    return sd
 
 
 def iter_dist_checkpoint_as_hf(ckpt_dir, spec, *, model=None, dtype: Optional[torch.dtype] = None,
@@ -172,16 +240,23 @@ def iter_dist_checkpoint_as_hf(ckpt_dir, spec, *, model=None, dtype: Optional[to
     One rank (parallel state initialised at tp=ep=pp=1); ``model`` is the meta-device thinker
     (built here when None). Parameters are read ``group_bytes`` at a time, in model order, so
     memory holds about one group (the largest single tensor, e.g. the embedding, is a group alone).
+
+    ``ckpt_dir`` may also be a megatron-grpo training checkpoint (a ``step_XXXXXXXX`` dir), or a
+    run dir or its ``checkpoints/`` (the newest complete checkpoint is read); ``spec`` must then be
+    the model the run started from. Its model weights are read in their stored dtype.
     """
     from megatron.core import dist_checkpointing
 
     from model_bridge.config import ParallelLayout
     from model_bridge.export import export_tasks
 
-    meta = check_dist_checkpoint(ckpt_dir, spec)
+    ckpt_dir, _ = resolve_mcore_input(ckpt_dir)
+    meta = check_dist_checkpoint(ckpt_dir, spec, allow_training=True)
     if model is None:
-        model = build_meta_thinker(spec, ParallelLayout(), _ckpt_dtype(meta, dtype))
+        model = build_meta_thinker(spec, ParallelLayout(), _ckpt_dtype(meta, dtype, ckpt_dir))
     sd = model_sharded_state_dict(model)
+    if is_training_checkpoint(meta):
+        sd = _for_training_checkpoint(sd, ckpt_dir, spec.text.vocab_size)
     tasks = export_tasks(model, spec)
     for t in tasks:
         if t.shard.size != 1:

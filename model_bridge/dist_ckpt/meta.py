@@ -1,6 +1,12 @@
 """The dist checkpoint's own metadata: :data:`META_FILE` (model, spec fingerprint, HF source, layout
 written at, versions) and the check that a directory is a complete torch_dist checkpoint of this
-model (:func:`check_dist_checkpoint`)."""
+model (:func:`check_dist_checkpoint`).
+
+Training checkpoints (``megatron_grpo.engine.checkpoint``, format :data:`TRAINING_FORMAT`) are
+torch_dist checkpoints too: their model tensors have the same keys, except that the vocab-parallel
+embedding and output layer are stored padded (``[Vp, H]``, Vp as megatron padded it for the
+training TP). :func:`resolve_mcore_input` turns a run directory (or its ``checkpoints/``) into its
+newest complete checkpoint; ``check_dist_checkpoint(..., allow_training=True)`` accepts them."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,6 +24,9 @@ from model_bridge.io import CheckpointError
 META_FILE = "mgrpo_checkpoint.json"
 FORMAT_NAME = "mgrpo-megatron-dist"
 FORMAT_VERSION = 1
+TRAINING_FORMAT = "megatron-grpo/1"
+"""``megatron_grpo.engine.checkpoint.CHECKPOINT_FORMAT`` (not imported: model_bridge does not need
+megatron_grpo to read a checkpoint)."""
 SHARDED_SD_METADATA = {"singleton_local_shards": False}
 """``sharded_state_dict(metadata=...)`` pinned so megatron-core 0.16 and 0.19 write the same keys."""
 
@@ -79,9 +88,65 @@ def read_checkpoint_meta(ckpt_dir: str | os.PathLike) -> dict:
         raise CheckpointError(f"{p} is not valid JSON ({e})") from e
 
 
-def check_dist_checkpoint(ckpt_dir: str | os.PathLike, spec=None) -> dict:
+def is_training_checkpoint(meta: dict) -> bool:
+    """Whether a :data:`META_FILE` content is a megatron-grpo training checkpoint's."""
+    return bool(meta) and meta.get("format") == TRAINING_FORMAT
+
+
+def _run_dir_of(d: Path) -> Optional[Path]:
+    """The training run directory ``d`` names: the run dir itself (it has ``checkpoints/``) or its
+    ``checkpoints/`` dir; None otherwise."""
+    if d.name == "checkpoints" and d.is_dir() and ((d / "latest").exists() or any(d.glob("step_*"))):
+        return d.parent
+    if (d / "checkpoints").is_dir() and not (d / "metadata.json").is_file():
+        return d
+    return None
+
+
+def resolve_mcore_input(path: str | os.PathLike) -> tuple[Path, Optional[str]]:
+    """(checkpoint dir, note): ``path`` itself, or for a training run directory (or its
+    ``checkpoints/``) the newest complete checkpoint in it (``find_latest_checkpoint``), with a
+    note saying which one was picked."""
+    d = Path(path)
+    run_dir = _run_dir_of(d)
+    if run_dir is None:
+        return d, None
+    from megatron_grpo.engine.checkpoint import find_latest_checkpoint
+
+    latest = find_latest_checkpoint(run_dir)
+    if latest is None:
+        raise CheckpointError(f"{d} is a training run directory without a complete checkpoint under "
+                              f"{run_dir / 'checkpoints'} (a complete one is a step_XXXXXXXX dir with {META_FILE})")
+    return latest, f"using {latest}, the newest complete checkpoint of run {run_dir}"
+
+
+def training_run_hf_dir(ckpt_dir: str | os.PathLike) -> Optional[str]:
+    """``model.hf_dir`` of the run a training checkpoint ``RUN/checkpoints/step_N`` belongs to
+    (its ``RUN/config.json``); None when it cannot be found."""
+    d = Path(ckpt_dir).resolve()
+    cfg = d.parent.parent / "config.json"
+    if d.parent.name != "checkpoints" or not cfg.is_file():
+        return None
+    try:
+        hf = (json.loads(cfg.read_text()).get("model") or {}).get("hf_dir")
+    except (json.JSONDecodeError, AttributeError):
+        return None
+    return str(hf) if hf else None
+
+
+def _training_error(d: Path, meta: dict) -> CheckpointError:
+    return CheckpointError(
+        f"{d} is a megatron-grpo training checkpoint (format {TRAINING_FORMAT!r}, step {meta.get('step')}), "
+        f"not a bridge dist checkpoint ({FORMAT_NAME!r}): resume training from it, or export its weights with "
+        f"`mgrpo convert mcore-to-hf --mcore {d} --out DIR` (--hf-source defaults to the run's model.hf_dir)")
+
+
+def check_dist_checkpoint(ckpt_dir: str | os.PathLike, spec=None, *, allow_training: bool = False) -> dict:
     """Raise ``CheckpointError`` unless ``ckpt_dir`` is a complete torch_dist checkpoint (and, with
-    ``spec``, one of this model spec); return its :data:`META_FILE` content ({} when absent)."""
+    ``spec``, one of this model spec); return its :data:`META_FILE` content ({} when absent).
+
+    ``allow_training``: also accept a megatron-grpo training checkpoint (one model chunk); its
+    spec is not fingerprinted (``iter_dist_checkpoint_as_hf`` compares the stored shapes)."""
     d = Path(ckpt_dir)
     if not d.exists():
         raise CheckpointError(f"{d} does not exist (expected a Megatron dist checkpoint directory, e.g. from "
@@ -91,7 +156,10 @@ def check_dist_checkpoint(ckpt_dir: str | os.PathLike, spec=None) -> dict:
     cfg = d / "metadata.json"
     if not cfg.is_file():
         hint = ""
-        if (d / "config.json").is_file() or any(d.glob("*.safetensors")):
+        if _run_dir_of(d) is not None:
+            hint = (" (it is a training run directory: `mgrpo convert mcore-to-hf --mcore` takes it and picks its "
+                    "newest checkpoint; elsewhere pass one of its checkpoints/step_XXXXXXXX dirs)")
+        elif (d / "config.json").is_file() or any(d.glob("*.safetensors")):
             hint = " (it looks like an HF checkpoint: convert it with `mgrpo convert hf-to-mcore`)"
         raise CheckpointError(f"{d} has no metadata.json: not a Megatron dist checkpoint, or an incomplete one{hint}")
     try:
@@ -103,6 +171,13 @@ def check_dist_checkpoint(ckpt_dir: str | os.PathLike, spec=None) -> dict:
     if not (d / ".metadata").is_file():
         raise CheckpointError(f"{d} has no .metadata (the torch_dist tensor index): the checkpoint is incomplete")
     meta = read_checkpoint_meta(d)
+    if is_training_checkpoint(meta):
+        if not allow_training:
+            raise _training_error(d, meta)
+        if int(meta.get("num_model_chunks", 1)) != 1:
+            raise CheckpointError(f"{d}: a training checkpoint of {meta.get('num_model_chunks')} virtual-pipeline "
+                                  "model chunks is not supported")
+        return meta
     if meta and meta.get("format") != FORMAT_NAME:
         raise CheckpointError(f"{d / META_FILE}: format {meta.get('format')!r} is not {FORMAT_NAME!r}")
     if meta and meta.get("model") != "qwen3_omni_moe":

@@ -12,7 +12,7 @@ import torch
 from model_bridge.dist_ckpt.direct_reader import _DirectReader
 from model_bridge.dist_ckpt.dist_to_hf import _ckpt_dtype, iter_dist_checkpoint_as_hf
 from model_bridge.dist_ckpt.hf_to_dist import _progress_bar, save_hf_as_dist_checkpoint
-from model_bridge.dist_ckpt.meta import check_dist_checkpoint
+from model_bridge.dist_ckpt.meta import check_dist_checkpoint, resolve_mcore_input
 from model_bridge.dist_ckpt.meta_model import build_meta_thinker
 from model_bridge.dist_ckpt.shard_writer import StreamingShardWriter, _numel
 from model_bridge.dist_ckpt.sharded import load_model, save_model
@@ -69,8 +69,9 @@ def rank_hf_to_mcore(hf_dir: str, out_dir: str, tp: int = 1, ep: int = 1, etp: O
 @_profiled("mcore_to_hf")
 def rank_mcore_to_hf(ckpt_dir: str, hf_source: str, out_dir: str, max_shard_bytes: int,
                      group_bytes: int = 128 * 2**20, progress: bool = True, prefix: str = "model") -> dict:
-    """The single rank of ``mgrpo convert mcore-to-hf``: stream the dist checkpoint's tensors, then
-    the source's pass-through tensors, straight into safetensors shards plus their index."""
+    """The single rank of ``mgrpo convert mcore-to-hf``: stream the dist checkpoint's (or training
+    checkpoint's model) tensors, then the source's pass-through tensors, straight into safetensors
+    shards plus their index."""
     from model_bridge.config import ParallelLayout, read_omni_config
     from model_bridge.export import export_plan
     from model_bridge.io import SafetensorsReader
@@ -83,8 +84,9 @@ def rank_mcore_to_hf(ckpt_dir: str, hf_source: str, out_dir: str, max_shard_byte
     writer = None
     try:
         spec = read_omni_config(hf_source)
-        meta = check_dist_checkpoint(ckpt_dir, spec)
-        model = build_meta_thinker(spec, ParallelLayout(), _ckpt_dtype(meta, None))
+        ckpt_dir, _ = resolve_mcore_input(ckpt_dir)  # a training run dir: its newest checkpoint
+        meta = check_dist_checkpoint(ckpt_dir, spec, allow_training=True)
+        model = build_meta_thinker(spec, ParallelLayout(), _ckpt_dtype(meta, None, ckpt_dir))
         reader = _DirectReader(SafetensorsReader(hf_source))
         keys = [k for k in reader.keys() if k.startswith(tuple(PASSTHROUGH_PREFIXES))]
         plan = list(export_plan(model, spec)) + [(k, reader.shape(k), reader.dtype(k)) for k in keys]
