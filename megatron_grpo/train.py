@@ -54,6 +54,18 @@ def _write_preempted(run_dir: Path, step: int, signal_name) -> None:
     tmp.replace(run_dir / PREEMPTED_MARKER)
 
 
+def _exit_on_sigterm() -> None:
+    """SIGTERM -> SystemExit (main thread only), so `finally`/`except` blocks run and stop the local
+    vLLM server, which lives in its own session and would outlive us; the preemption handler
+    replaces this for the training loop and restores it after."""
+    import signal
+    import sys
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def train(cfg: TrainConfig, resume: bool = False) -> int:
     """Run (or resume) the job described by `cfg` on this process's rank; returns an exit code."""
     from megatron.core import parallel_state as ps
@@ -86,39 +98,45 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
     cfg = _broadcast(cfg)  # every rank sees the resolved paths
     layout = ParallelLayout(tp=p.tp, ep=p.ep, etp=p.etp, pp=p.pp)
     dtype = train_dtype(cfg)  # the local vLLM server gets the same (config.serve_dtype)
+    _exit_on_sigterm()  # before the loop a SIGTERM (spawn_ranks stopping us) must still run the cleanup
     side = open_side(cfg, run_dir) if rank == 0 else None  # vLLM starts while ranks build the model
-    engine = build_engine(cfg.model.hf_dir, layout, cfg.optimizer, dtype=dtype, backend=cfg.model.backend)
-    dataset = read_jsonl(cfg.data.train_jsonl, cfg.data)
-    data = DataIterator.from_config(dataset, cfg.data, cfg.trainer.prompts_per_step)
-    from transformers import AutoFeatureExtractor
-    features = AutoFeatureExtractor.from_pretrained(cfg.model.hf_dir)
-    tp_sp = p.tp if p.tp > 1 else 1
-    packing = PackingConfig(max_tokens_per_microbatch=round_up(cfg.packing.max_tokens_per_microbatch, tp_sp),
-                            pad_multiple=tp_sp, allow_oversized=cfg.packing.allow_oversized,
-                            pad_token_id=int(side.tokenizer.pad_token_id or 0) if rank == 0 else 0)
-    packing = _broadcast(packing)
-    step_cfg = StepConfig(loss=cfg.loss, importance=cfg.importance,
-                          max_consecutive_skips=cfg.trainer.max_consecutive_skips,
-                          logprob_chunk_size=cfg.trainer.logprob_chunk_size,
-                          fused_lm_head=cfg.trainer.fused_lm_head)
-    logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, plot=cfg.logging.plot) if rank == 0 else None
-    feed = open_feed(cfg, side, data, rank)  # rollout.server replay: a recording's steps, no server, no push
+    try:  # until the loop's `finally` takes over, an error must not leave the local server running
+        engine = build_engine(cfg.model.hf_dir, layout, cfg.optimizer, dtype=dtype, backend=cfg.model.backend)
+        dataset = read_jsonl(cfg.data.train_jsonl, cfg.data)
+        data = DataIterator.from_config(dataset, cfg.data, cfg.trainer.prompts_per_step)
+        from transformers import AutoFeatureExtractor
+        features = AutoFeatureExtractor.from_pretrained(cfg.model.hf_dir)
+        tp_sp = p.tp if p.tp > 1 else 1
+        packing = PackingConfig(max_tokens_per_microbatch=round_up(cfg.packing.max_tokens_per_microbatch, tp_sp),
+                                pad_multiple=tp_sp, allow_oversized=cfg.packing.allow_oversized,
+                                pad_token_id=int(side.tokenizer.pad_token_id or 0) if rank == 0 else 0)
+        packing = _broadcast(packing)
+        step_cfg = StepConfig(loss=cfg.loss, importance=cfg.importance,
+                              max_consecutive_skips=cfg.trainer.max_consecutive_skips,
+                              logprob_chunk_size=cfg.trainer.logprob_chunk_size,
+                              fused_lm_head=cfg.trainer.fused_lm_head)
+        logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, plot=cfg.logging.plot) if rank == 0 else None
+        feed = open_feed(cfg, side, data, rank)  # rollout.server replay: a recording's steps, no server, no push
 
-    start = 0
-    if resume:
-        start, extra = load_checkpoint(run_dir, engine.model, engine.optimizer, engine.scheduler)
-        if extra:
-            data.load_state_dict(extra["data"])
-        if logger:
-            logger.truncate_after(start)
-    if start > 0 or resume:  # the server must serve the checkpoint's weights, not the HF dir's
-        feed.push(engine.model, start)
+        start = 0
+        if resume:
+            start, extra = load_checkpoint(run_dir, engine.model, engine.optimizer, engine.scheduler)
+            if extra:
+                data.load_state_dict(extra["data"])
+            if logger:
+                logger.truncate_after(start)
+        if start > 0 or resume:  # the server must serve the checkpoint's weights, not the HF dir's
+            feed.push(engine.model, start)
 
-    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    bar = None
-    if rank == 0 and cfg.logging.progress:
-        from tqdm import tqdm
-        bar = tqdm(total=cfg.trainer.steps, initial=start, desc="grpo", unit="step", dynamic_ncols=True)
+        dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        bar = None
+        if rank == 0 and cfg.logging.progress:
+            from tqdm import tqdm
+            bar = tqdm(total=cfg.trainer.steps, initial=start, desc="grpo", unit="step", dynamic_ncols=True)
+    except BaseException:
+        if side:
+            side.close()
+        raise
     preempt = PreemptionHandler().install()
     g = cfg.guard
     code = 0
