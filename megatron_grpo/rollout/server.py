@@ -227,6 +227,13 @@ class VLLMServer:
         self.proc = subprocess.Popen(build_command(self.spec), stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=self._env(), start_new_session=True)
         log.close()
+        try:
+            return self._wait_healthy(timeout, progress)
+        except BaseException:  # SIGTERM/Ctrl-C/an error while waiting: never leave the server behind
+            self.stop()       # (it runs in its own session and would outlive this process)
+            raise
+
+    def _wait_healthy(self, timeout: float, progress: bool) -> "VLLMServer":
         t0 = time.monotonic()
         last_note = t0
         while True:

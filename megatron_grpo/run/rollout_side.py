@@ -77,14 +77,19 @@ class RolloutSide:
                       f"({trainer}): rollout and training logprobs come from different numerics "
                       "(see the mismatch_kl_* metrics)", flush=True)
             self.server = VLLMServer(spec, run_dir / "vllm-server.log")
-            self.server.start(timeout=cfg.serve.startup_timeout_s)
+            self.server.start(timeout=cfg.serve.startup_timeout_s)  # stops the server if interrupted
             rcfg.server_urls = [self.server.url]
             rcfg.model = spec.served_model_name
-        if rcfg.tokenizer is None:
-            rcfg.tokenizer = cfg.model.hf_dir
-        self.tokenizer = AutoTokenizer.from_pretrained(rcfg.tokenizer)
-        self.engine = RolloutEngine(rcfg, self.tokenizer, data_config=cfg.data)
-        self.receivers = [WeightReceiver(u, api_key=rcfg.api_key) for u in rcfg.server_urls]
+        try:
+            if rcfg.tokenizer is None:
+                rcfg.tokenizer = cfg.model.hf_dir
+            self.tokenizer = AutoTokenizer.from_pretrained(rcfg.tokenizer)
+            self.engine = RolloutEngine(rcfg, self.tokenizer, data_config=cfg.data)
+            self.receivers = [WeightReceiver(u, api_key=rcfg.api_key) for u in rcfg.server_urls]
+        except BaseException:  # the caller never gets `self` to close: stop our server here
+            if self.server is not None:
+                self.server.stop()
+            raise
 
     def rollout(self, rows, group_ids):
         """Complete trajectories for the rows (rewards filled in)."""
