@@ -19,6 +19,9 @@ yields travel to rank 0 in the same pass, in buckets of at most `bucket_bytes`:
    * pieces: each maximal run of that order that one non-zero rank yields, cut into packed buckets
      of at most `bucket_bytes` (`packed_layout` of buckets.py; a larger tensor travels alone).
      A piece is sent when its sender has yielded its last tensor, at that tensor's round.
+   The plan is cached per model (`_cached_plan`): the next push of a model whose parameters
+   (names, shapes, dtypes), ranks, bucket size and export arguments are unchanged reuses it (one
+   small all-reduce makes every rank reuse it, or none).
 2. Sender (rank r != 0): copies each yielded tensor into its piece's buffer (views from
    `unpack_bucket`, so both sides use one layout) and, after the piece's last tensor, before asking
    `export_hf` for more (which would run the next task's gather), `dist.send`s it to rank 0 and
@@ -63,6 +66,7 @@ from __future__ import annotations
 
 import heapq
 import time
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
@@ -449,11 +453,62 @@ def _rank0_side(sched: Schedule, metas: Sequence[dict], own: Iterator, device: t
         raise RuntimeError(f"export_to_rank0: rank 0 yielded {name!r} beyond its plan of {len(ys0)} tensors")
 
 
+# ------------------------------------------------------------------------------------------------
+# plan cache
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _CachedPlan:
+    signature: tuple
+    """`_plan_signature` of the push that computed it."""
+    export_kw: dict
+    metas: list
+    sched: Schedule
+
+
+# First model chunk -> its last plan. Weak keys: a model that is freed takes its plan with it, and a
+# new model never inherits one through a recycled id().
+_PLAN_CACHE: "weakref.WeakKeyDictionary[torch.nn.Module, _CachedPlan]" = weakref.WeakKeyDictionary()
+
+
+def _plan_signature(chunks: Sequence[torch.nn.Module], bucket_bytes: int) -> tuple:
+    """Everything of this rank the plan depends on besides `export_kw`: the ranks, the bucket size and
+    every chunk's parameters (name, shape, dtype), so that a parameter added, removed, reshaped or
+    cast makes the next push plan again."""
+    params = tuple((id(c), tuple((n, tuple(p.shape), p.dtype) for n, p in c.named_parameters()))
+                   for c in chunks)
+    return dist.get_rank(), dist.get_world_size(), bucket_bytes, params
+
+
+def _cached_plan(model, bucket_bytes: int, device: torch.device, export_kw: dict) -> _CachedPlan:
+    """The plan of this push: this model's last one when every rank still has it, else a new one.
+
+    Every rank takes the same branch (a MIN all-reduce of the ranks' cache hits), because the new
+    plan's `all_gather_object` is a collective: one rank planning alone would hang the others. The
+    reused `metas` and `Schedule` are only read by the transfer, so sharing them is safe."""
+    from model_bridge.load import model_chunks
+
+    chunks = model_chunks(model)
+    signature = _plan_signature(chunks, bucket_bytes)
+    entry = _PLAN_CACHE.get(chunks[0])
+    hit = entry is not None and entry.signature == signature and entry.export_kw == export_kw
+    agreed = torch.tensor([int(hit)], dtype=torch.int32, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    if agreed.item():
+        return entry
+    metas: list = [None] * dist.get_world_size()
+    dist.all_gather_object(metas, local_meta(model, **export_kw))
+    entry = _CachedPlan(signature, dict(export_kw), metas, build_schedule(metas, bucket_bytes))
+    _PLAN_CACHE[chunks[0]] = entry
+    return entry
+
+
 def _new_stats(bucket_bytes: int) -> dict:
     """Senders: sent_buckets / sent_bytes, max_send_buffer_bytes (<= max(bucket_bytes, the largest
     tensor)), max_sent_tensor_bytes. Rank 0: recv_buckets / recv_bytes, max_held_bytes (taken or
     received and not yet yielded, the tensor being yielded included). All: plan_s (plan gather +
-    schedule)."""
+    schedule, or the cache check when the model's last plan is reused)."""
     return {"bucket_bytes": bucket_bytes, "plan_s": 0.0, "sent_buckets": 0, "sent_bytes": 0,
             "max_send_buffer_bytes": 0, "max_sent_tensor_bytes": 0, "recv_buckets": 0, "recv_bytes": 0,
             "max_held_bytes": 0}
@@ -474,7 +529,7 @@ def export_to_rank0(model, *, bucket_bytes: int | None = None, stats: dict | Non
     if not dist.is_initialized() or dist.get_world_size() == 1:
         yield from export_hf(model, **export_kw)
         return
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     device = _transfer_device(model)
     bucket_bytes = bucket_bytes or default_bucket_bytes(device)
     st = _new_stats(bucket_bytes)
@@ -483,13 +538,10 @@ def export_to_rank0(model, *, bucket_bytes: int | None = None, stats: dict | Non
         stats.update(st)
         st = stats
     t0 = time.perf_counter()
-    mine = local_meta(model, **export_kw)
-    metas: list = [None] * world
-    dist.all_gather_object(metas, mine)
-    sched = build_schedule(metas, bucket_bytes)
+    plan = _cached_plan(model, bucket_bytes, device, export_kw)
     st["plan_s"] = time.perf_counter() - t0
     own = export_hf(model, **export_kw)
     if rank == 0:
-        yield from _rank0_side(sched, metas, own, device, st)
+        yield from _rank0_side(plan.sched, plan.metas, own, device, st)
     else:
-        _send_side(sched, rank, metas[rank]["yields"], own, device, st)
+        _send_side(plan.sched, rank, plan.metas[rank]["yields"], own, device, st)
