@@ -230,18 +230,25 @@ def _triton_gather_sum_kernel():
         acc = tl.zeros([BLOCK_H], dtype=tl.float32)
         for j in tl.static_range(K):
             row = tl.load(idx_ptr + t * K + j).to(tl.int64)
-            acc += tl.load(y_ptr + row * stride_y + cols, mask=cmask, other=0.0).to(tl.float32)
+            # a negative index is an empty slot (the EP dispatcher's tokens with < K rows here);
+            # the test is broadcast to a vector (Triton's interpreter takes no scalar in a mask)
+            ok = (cols * 0 + row) >= 0
+            acc += tl.load(y_ptr + row * stride_y + cols, mask=cmask & ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + t.to(tl.int64) * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
 
     return gather_sum
 
 
-def gather_sum(y: torch.Tensor, idx: torch.Tensor, k: int) -> torch.Tensor:
+def gather_sum(y: torch.Tensor, idx: torch.Tensor, k: int, has_empty: bool = False) -> torch.Tensor:
     """``[T, h]`` with row t = sum over j < k of ``y[idx[t * k + j]]`` (``idx`` int64 ``[T * k]``),
-    accumulated in fp32; one fused Triton pass on CUDA (no ``[T * k, h]`` temporary)."""
+    accumulated in fp32; one fused Triton pass on CUDA (no ``[T * k, h]`` temporary). With
+    ``has_empty`` a negative index is an empty slot (adds nothing)."""
     n = idx.shape[0] // k
     kern = _triton_gather_sum_kernel() if (y.is_cuda or _TRITON_ON_CPU) else None
     if kern is None or y.dim() != 2:
+        if has_empty:
+            rows = y.index_select(0, idx.clamp(min=0)) * (idx >= 0).unsqueeze(-1).to(y.dtype)
+            return rows.view(n, k, y.shape[-1]).sum(1)
         return y.index_select(0, idx).view(n, k, y.shape[-1]).sum(1)  # fp32 accumulation inside
     y = y if y.stride(-1) == 1 else y.contiguous()
     H = y.shape[1]

@@ -50,6 +50,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
 from .attention import PackedCoreAttention, packed_segments, varlen_kwargs
+from .ep_dispatch import DedupExchange
 from .experts import TorchGroupedMLP, sort_by_expert, topk_indices, unsort_combine
 from .specs import _check_config, local_block_spec, register_backend
 
@@ -300,10 +301,22 @@ class _SortedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
                 and not self.config.moe_permute_fusion and not getattr(self.config, "moe_router_padding_for_quantization", False)
                 and self.config.moe_expert_capacity_factor is None)
 
+    def _dedup_ok(self) -> bool:
+        """Expert parallelism without expert-TP: tokens travel once per destination rank
+        (:mod:`.ep_dispatch`); ``MGRPO_EP_DEDUP=0`` keeps megatron's one-row-per-expert exchange."""
+        return (self.ep_size > 1 and self.tp_size == 1 and self._sorted_ok()
+                and os.environ.get("MGRPO_EP_DEDUP", "1") != "0")
+
     def dispatch_preprocess(self, hidden_states, routing_map, probs):
+        self._dedup = None
         if not self._sorted_ok():
             self._sort_plan = None
             return super().dispatch_preprocess(hidden_states, routing_map, probs)
+        if self._dedup_ok():
+            self._sort_plan = None
+            self.hidden_shape = hidden_states.shape
+            self._dedup = DedupExchange(self.ep_group, self.num_local_experts, self.config.moe_router_topk)
+            return self._dedup.preprocess(hidden_states.view(-1, self.hidden_shape[-1]), routing_map, probs)
         self.hidden_shape = hidden_states.shape
         self.probs = probs
         self.routing_map = routing_map
@@ -323,7 +336,14 @@ class _SortedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         return (getattr(self, "_sort_plan", None) is not None and self.ep_size * self.tp_size == 1
                 and not getattr(self, "drop_and_pad", False))
 
+    def token_dispatch(self, permutated_local_input_tokens, permuted_probs):
+        if getattr(self, "_dedup", None) is None:
+            return super().token_dispatch(permutated_local_input_tokens, permuted_probs)
+        return self._dedup.send(permutated_local_input_tokens), self._dedup.send(permuted_probs)
+
     def dispatch_postprocess(self, global_input_tokens, global_probs):
+        if getattr(self, "_dedup", None) is not None:
+            return self._dedup.expand(global_input_tokens, global_probs)
         if not self._identity_chunks():
             return super().dispatch_postprocess(global_input_tokens, global_probs)
         self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_permutation_2", self.tokens_per_expert)
@@ -332,11 +352,22 @@ class _SortedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         return global_input_tokens, tokens_per_expert, global_probs
 
     def combine_preprocess(self, hidden_states):
+        if getattr(self, "_dedup", None) is not None:
+            return self._dedup.reduce_rows(hidden_states)
         if not self._identity_chunks():
             return super().combine_preprocess(hidden_states)
         return hidden_states
 
+    def token_combine(self, hidden_states, *args, **kwargs):
+        if getattr(self, "_dedup", None) is None:
+            return super().token_combine(hidden_states, *args, **kwargs)
+        return self._dedup.send_back(hidden_states)
+
     def combine_postprocess(self, permutated_local_input_tokens):
+        dedup = getattr(self, "_dedup", None)
+        if dedup is not None:
+            self._dedup = None
+            return dedup.reduce_ranks(permutated_local_input_tokens).view(self.hidden_shape)
         plan = getattr(self, "_sort_plan", None)
         if plan is None:
             return super().combine_postprocess(permutated_local_input_tokens)

@@ -288,6 +288,9 @@ def _audio_token(hf_dir) -> int:
 
 def _rank_cuda(hf_dir: str, samples):
     """World 1 on CUDA: fp32 logits (SDPA path) and bf16 packed logits (flash varlen path)."""
+    import functools
+    import sys
+
     import megatron.core
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -296,18 +299,31 @@ def _rank_cuda(hf_dir: str, samples):
     from model_bridge.modeling.thinker import build_thinker, gather_logits, mrope_position_ids
     from model_bridge.parallel import destroy_parallel, init_parallel
 
+    import torch.nn.attention.varlen as tv
+
     import model_bridge.modeling.attention as attn
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     varlen_calls = [0]
-    orig_varlen = attn._varlen
+    callers: dict = {}  # "file:function" of every flash varlen call (the message when counts differ)
+    orig_varlen, orig_dense = tv.varlen_attn, attn.dense_attention
 
+    @functools.wraps(orig_varlen)  # keeps its signature: attention.varlen_kwargs inspects it
     def counting_varlen(*args, **kwargs):
         varlen_calls[0] += 1
+        f = sys._getframe(1)
+        key = f"{f.f_code.co_filename.rsplit('/', 1)[-1]}:{f.f_code.co_name} q{tuple(args[0].shape)}"
+        callers[key] = callers.get(key, 0) + 1
         return orig_varlen(*args, **kwargs)
 
-    attn._varlen = counting_varlen
+    def counting_dense(q, *args, **kwargs):
+        key = f"dense_attention q{tuple(q.shape)} {q.dtype}"
+        callers[key] = callers.get(key, 0) + 1
+        return orig_dense(q, *args, **kwargs)
+
+    tv.varlen_attn = counting_varlen  # both packed paths import it at call time
+    attn.dense_attention = counting_dense
     init_parallel(seed=1234)
     spec = read_omni_config(hf_dir)
     V = spec.text.vocab_size
@@ -334,10 +350,12 @@ def _rank_cuda(hf_dir: str, samples):
                 ids_t = torch.tensor([sum((s[1] for s in samples), []) + [0] * 5], device="cuda")
                 pos = mrope_position_ids(ids_t, spec, cu_seqlens=cu).unsqueeze(1)
                 before = varlen_calls[0]
+                callers.clear()
                 full = gather_logits(model(ids_t, pos, psp, audio_features=feats_all.to(dtype),
                                            audio_feature_lens=lens_all), V).float().cpu()
                 out["varlen_calls_packed"] = varlen_calls[0] - before
                 out["varlen_calls_expected"] = spec.text.num_layers + spec.audio.num_layers
+                out["attention_calls_packed"] = dict(callers)
                 for (name, *_), a, b in zip(samples, cu[:-1].tolist(), cu[1:].tolist()):
                     out["bf16_packed"][name] = full[a:b]
         del model
@@ -350,7 +368,8 @@ def test_thinker_cuda_fp32_parity_and_bf16_varlen(tiny_ckpt, reference):
     samples, ref = reference
     res = run_ranks(_rank_cuda, 1, str(tiny_ckpt), samples, timeout=600)[0]
     lines = [f"megatron-core {res['megatron_core']}, flash varlen calls in the packed pass "
-             f"{res['varlen_calls_packed']} (thinker + audio layers {res['varlen_calls_expected']})"]
+             f"{res['varlen_calls_packed']} (thinker + audio layers {res['varlen_calls_expected']}); "
+             f"attention calls in that pass: {res['attention_calls_packed']}"]
     assert res["varlen_calls_packed"] == res["varlen_calls_expected"], lines[0]
     for name, *_ in samples:
         scale = ref[name].abs().max().item()

@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from megatron_grpo.testing.dist import run_ranks
+from megatron_grpo.testing.grads import grads_by_hf_name
 
 FP32_TOL = 2e-5  # relative to the largest magnitude of the compared tensor
 
@@ -207,6 +208,13 @@ def _rank_triton_glu_interpreted():
         got = ex.gather_sum(y, idx, k)
         ref = y.double().index_select(0, idx).view(T, k, H).sum(1)
         out[f"gather_sum-{dtype}"] = _rel(got, ref)
+        # empty slots (-1), as the EP exchange has for tokens with fewer than k rows on a rank
+        idx_e = idx.clone()
+        idx_e[::4] = -1
+        got = ex.gather_sum(y, idx_e, k, has_empty=True)
+        keep = (idx_e >= 0).double().view(T, k, 1)
+        ref = (y.double().index_select(0, idx_e.clamp(min=0)).view(T, k, H) * keep).sum(1)
+        out[f"gather_sum_empty-{dtype}"] = _rel(got, ref)
     # fused RoPE vs megatron's unfused BSHD RoPE (float64 reference), forward and backward
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
@@ -282,25 +290,6 @@ def _packed_batch(spec, device="cpu"):
     return ids.to(device), pos.to(device), psp, feats.to(device), torch.tensor(frames).to(device), int(cu[-1])
 
 
-def _grads_by_hf_name(model, spec) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient, merged over TP/ETP and named like the HF tensors (exporting ranks)."""
-    from model_bridge.export import export_tasks
-    from model_bridge.mappings import gather_shards
-
-    out = {}
-    for t in export_tasks(model, spec):
-        if t.shard.replica_rank != 0:
-            continue
-        grad = t.param.grad if t.param.grad is not None else torch.zeros_like(t.param)
-        shards = gather_shards(grad.detach().float().contiguous(), t.shard)
-        if shards is None:
-            continue
-        full = t.mapping.merge(shards)
-        for role in t.mapping.roles:
-            out[t.hf[role]] = full[role].clone()
-    return out
-
-
 def _rank_backends(hf_dir: str, tp: int, ep: int, check_ckpt_dir: str | None):
     import torch.distributed as dist
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
@@ -351,7 +340,7 @@ def _rank_backends(hf_dir: str, tp: int, ep: int, check_ckpt_dir: str | None):
         model.train()
         logits = gather_logits(model(ids, pos, psp, audio_features=feats, audio_feature_lens=flens), V)
         (logits * w_logits).sum().backward()
-        outs[backend] = {"logits": logits.detach()[:n_real], "grads": _grads_by_hf_name(model, spec)}
+        outs[backend] = {"logits": logits.detach()[:n_real], "grads": grads_by_hf_name(model, spec)}
         models[backend] = model
     res["triton_paths"] = dict(used)
     ex._glu_fwd_triton, ex._triton_gather_sum_kernel, tb._rope_launch = orig[0], ex_gs, orig[2]
