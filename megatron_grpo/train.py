@@ -23,6 +23,13 @@ def _broadcast(obj, src: int = 0):
     return box[0]
 
 
+def peak_memory_gib() -> float:
+    """The highest peak of allocated CUDA memory on any rank so far, in GiB (a MAX all-reduce)."""
+    t = torch.tensor([float(torch.cuda.max_memory_allocated())], dtype=torch.float64, device="cuda")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item() / 2**30
+
+
 def _step_metrics(step: int, trajs, train: dict, push_s: float, times: dict) -> dict:
     rewards = torch.tensor([t.reward for t in trajs], dtype=torch.float64)
     m = {"reward/mean": rewards.mean().item(), "reward/std": rewards.std().item() if len(trajs) > 1 else 0.0,
@@ -102,8 +109,10 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
     side = open_side(cfg, run_dir) if rank == 0 else None  # vLLM starts while ranks build the model
     try:  # until the loop's `finally` takes over, an error must not leave the local server running
         engine = build_engine(cfg.model.hf_dir, layout, cfg.optimizer, dtype=dtype, backend=cfg.model.backend)
-        dataset = read_jsonl(cfg.data.train_jsonl, cfg.data)
-        data = DataIterator.from_config(dataset, cfg.data, cfg.trainer.prompts_per_step)
+        data = None  # rollout.server replay trains on the recording: the prompts are not read
+        if cfg.rollout.server != "replay":
+            data = DataIterator.from_config(read_jsonl(cfg.data.train_jsonl, cfg.data), cfg.data,
+                                            cfg.trainer.prompts_per_step)
         from transformers import AutoFeatureExtractor
         features = AutoFeatureExtractor.from_pretrained(cfg.model.hf_dir)
         tp_sp = p.tp if p.tp > 1 else 1
@@ -121,7 +130,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
         start = 0
         if resume:
             start, extra = load_checkpoint(run_dir, engine.model, engine.optimizer, engine.scheduler)
-            if extra:
+            if extra and data is not None and extra.get("data"):
                 data.load_state_dict(extra["data"])
             if logger:
                 logger.truncate_after(start)
@@ -158,6 +167,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
                     with wd.collective("train_step"):                           # 4. train
                         train_metrics = train_step(engine, mbs, step_cfg, step=step)
                     train_metrics["padding_fraction"] = plan.padding_fraction
+                    if torch.cuda.is_available():
+                        train_metrics["memory/peak_gib"] = peak_memory_gib()  # max over ranks
                     times["train"] = time.monotonic() - t0
                     t0 = time.monotonic()
                     feed.settle()                                               # 5. push to vLLM

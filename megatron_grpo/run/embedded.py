@@ -20,7 +20,7 @@ def ensure_embedded_inputs(cfg: TrainConfig, cache: Path | None = None) -> Train
             print(f"[train] building the embedded tiny checkpoint in {out}", flush=True)
             make_tiny(out, preset="tiny", seed=TINY_SEED)
         cfg.model.hf_dir = str(out)
-    if cfg.data.train_jsonl is None:
+    if cfg.data.train_jsonl is None and cfg.rollout.server != "replay":  # a replay reads no data
         out = cache / "audio-agent-data"
         if not (out / "train.jsonl").exists():
             from megatron_grpo.data.synth import make_data

@@ -236,7 +236,7 @@ class ReplayFeed:
         """No weight push in replay mode (no server); the model is not exported either."""
 
     def data_state(self) -> dict:
-        return self.data.state_dict()
+        return {} if self.data is None else self.data.state_dict()  # a replay reads no prompts
 
     def close(self) -> None:
         pass
