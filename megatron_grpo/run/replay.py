@@ -121,8 +121,17 @@ def check_steps(directory, steps: int) -> None:
                          f"(rollout.record_dir with trainer.steps={steps})")
 
 
+SPECIAL_TOKENS = ("audio_token_id", "audio_start_token_id", "audio_end_token_id")
+"""The ids the thinker finds audio by: a recording's must be the checkpoint's."""
+
+
+def _special_token_ids(spec) -> dict:
+    return {name: int(getattr(spec, name)) for name in SPECIAL_TOKENS}
+
+
 def check_compatible(manifest: dict, hf_dir, directory="") -> None:
-    """The recording fits the checkpoint: token ids < its vocab size, same audio mel bins."""
+    """The recording fits the checkpoint: token ids < its vocab size, same audio mel bins, same
+    audio special token ids (recordings older than that field are not checked for them)."""
     from model_bridge.config import read_omni_config
 
     spec = read_omni_config(hf_dir)
@@ -136,6 +145,12 @@ def check_compatible(manifest: dict, hf_dir, directory="") -> None:
         raise ValueError(f"rollout.replay_dir {directory}: recorded with {mels} audio mel bins "
                          f"({manifest['model_dir']}), but model.hf_dir {hf_dir} has "
                          f"audio_config.num_mel_bins={spec.audio.num_mel_bins}")
+    want, have = manifest.get("special_token_ids"), _special_token_ids(spec)
+    if want is not None and want != have:
+        diff = ", ".join(f"{k} {want.get(k)} vs {have[k]}" for k in SPECIAL_TOKENS if want.get(k) != have[k])
+        raise ValueError(f"rollout.replay_dir {directory}: recorded with other audio token ids than model.hf_dir "
+                         f"{hf_dir} has ({diff}; recording vs checkpoint): the thinker would find no audio "
+                         f"positions; replay on a checkpoint with the recording's thinker token ids")
 
 
 # ---- recording ----------------------------------------------------------------------------------
@@ -158,6 +173,7 @@ class Recorder:
             "format": FORMAT, "model_dir": str(cfg.model.hf_dir), "vocab_size": spec.text.vocab_size,
             "audio": {"num_mel_bins": spec.audio.num_mel_bins, "sampling_rate": 16000,
                       "n_window": spec.audio.n_window},
+            "special_token_ids": _special_token_ids(spec),
             "steps": sorted(old.get("steps", [])) if same_model else [],
             "max_token_id": old.get("max_token_id", -1) if same_model else -1,
             "config": config, "created": old.get("created", time.time()) if same_model else time.time()}

@@ -99,6 +99,16 @@ def test_recording_must_fit_the_checkpoint(tmp_path, tiny_ckpt):
     bad = _manifest_dir(tmp_path / "vocab", [1], max_token_id=600, vocab_size=151936)
     with pytest.raises(ValueError, match=r"recorded token id 600 >= vocab_size 576 of model.hf_dir"):
         check_compatible(read_manifest(bad), tiny_ckpt, bad)
+    # the audio special token ids (a tiny recording replayed on a checkpoint with the release's ids)
+    ok = {"audio_token_id": 512, "audio_start_token_id": 506, "audio_end_token_id": 507}  # the tiny preset's
+    check_compatible(read_manifest(_manifest_dir(tmp_path / "ids_ok", [1], special_token_ids=ok)), tiny_ckpt)
+    bad = _manifest_dir(tmp_path / "ids", [1], special_token_ids={**ok, "audio_token_id": 151675})
+    with pytest.raises(ValueError) as e:
+        check_compatible(read_manifest(bad), tiny_ckpt, bad)
+    assert str(e.value) == (
+        f"rollout.replay_dir {bad}: recorded with other audio token ids than model.hf_dir {tiny_ckpt} has "
+        "(audio_token_id 151675 vs 512; recording vs checkpoint): the thinker would find no audio positions; "
+        "replay on a checkpoint with the recording's thinker token ids")
 
 
 @pytest.mark.slow
