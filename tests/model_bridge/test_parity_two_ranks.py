@@ -51,10 +51,15 @@ from test_parity_torch_backend import BF16_GRAD_REL, BF16_REL_LOGITS, FP32_TOL, 
 PRESET = "small"
 
 
-def _batches(spec) -> list[list[tuple]]:
-    """Two micro-batches of ``_make_samples`` tuples: [text, text + 2 audio clips], [text, text]."""
+def _batches(spec, n: int = 2) -> list[list[tuple]]:
+    """``n`` micro-batches of ``_make_samples`` tuples: [text, text + 2 audio clips], [text, text],
+    then text-only pairs of other lengths (for four data-parallel ranks)."""
     text, audio, text2 = _make_samples(spec)
-    return [[text, audio], [text2, ("text3", _sample_ids(spec, [], 17, seed=7), None, None)]]
+    out = [[text, audio], [text2, ("text3", _sample_ids(spec, [], 17, seed=7), None, None)]]
+    for b in range(2, n):
+        out.append([(f"text{2 * b}", _sample_ids(spec, [], 9 + 6 * b, seed=10 + b), None, None),
+                    (f"text{2 * b + 1}", _sample_ids(spec, [], 30 - 4 * b, seed=20 + b), None, None)])
+    return out
 
 
 def _reduce_grads_like_megatron(model) -> None:
@@ -78,7 +83,7 @@ def _reduce_grads_like_megatron(model) -> None:
             dist.all_reduce(p.grad, group=tp)
 
 
-def _rank_layout(hf_dir: str, device: str, tp: int, ep: int):
+def _rank_layout(hf_dir: str, device: str, tp: int, ep: int, etp: int | None = None, n_batches: int = 2):
     """One rank: load, run this data-parallel rank's micro-batches fwd+bwd, reduce and export grads."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -97,11 +102,11 @@ def _rank_layout(hf_dir: str, device: str, tp: int, ep: int):
         torch.backends.cudnn.allow_tf32 = False
     else:
         torch.set_num_threads(1)
-    init_parallel(tp=tp, ep=ep, seed=1234, timeout_minutes=10)
+    init_parallel(tp=tp, ep=ep, etp=etp, seed=1234, timeout_minutes=10)
     dev = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     spec = read_omni_config(hf_dir)
     V = spec.text.vocab_size
-    model = build_thinker(spec, ParallelLayout(tp=tp, ep=ep), dtype, backend=backend)
+    model = build_thinker(spec, ParallelLayout(tp=tp, ep=ep, etp=etp), dtype, backend=backend)
     load_hf(model, hf_dir)
     model = model.to(dev).train()
     D, d = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
@@ -117,7 +122,7 @@ def _rank_layout(hf_dir: str, device: str, tp: int, ep: int):
     for name, module in model.named_modules():
         if name.endswith("mlp.router"):
             module.register_forward_hook(keep_routing(int(name.split("layers.")[1].split(".")[0])))
-    for b, samples in enumerate(_batches(spec)):
+    for b, samples in enumerate(_batches(spec, n_batches)):
         if b % D != d:
             continue
         current = res["routing"].setdefault(b, {})
@@ -136,6 +141,9 @@ def _rank_layout(hf_dir: str, device: str, tp: int, ep: int):
         res["loss"][b] = loss.item()
         res["loss_scale"][b] = prod.detach().abs().sum().item()
     _reduce_grads_like_megatron(model)
+    # which EP exchange the MoE layers used: once per destination rank (ep_dispatch) or megatron's
+    res["dedup_exchange"] = sorted({bool(getattr(m.token_dispatcher, "_dedup_ok", lambda: False)())
+                                    for m in model.modules() if hasattr(m, "token_dispatcher")})
     res["grads"] = grads_by_hf_name(model, spec)
     destroy_parallel()
     return res
@@ -151,10 +159,11 @@ def ckpt():
 _ONE_RANK: dict = {}
 
 
-def _one_rank(ckpt, device: str) -> dict:
-    if device not in _ONE_RANK:
-        _ONE_RANK[device] = run_ranks(_rank_layout, 1, str(ckpt), device, 1, 1, timeout=900)[0]
-    return _ONE_RANK[device]
+def _one_rank(ckpt, device: str, n_batches: int = 2) -> dict:
+    if (device, n_batches) not in _ONE_RANK:
+        _ONE_RANK[device, n_batches] = run_ranks(_rank_layout, 1, str(ckpt), device, 1, 1, None, n_batches,
+                                                 timeout=900)[0]
+    return _ONE_RANK[device, n_batches]
 
 
 DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.gpu),
@@ -196,14 +205,23 @@ def test_two_ranks_match_one_rank(ckpt, device, tp, ep):
     t0 = time.time()
     ref = _one_rank(ckpt, device)
     got = run_ranks(_rank_layout, 2, str(ckpt), device, tp, ep, timeout=900)
+    if ep > 1 and got[0]["backend"] == "torch":  # EP without expert-TP: the once-per-rank exchange
+        assert all(g["dedup_exchange"] == [True] for g in got), [g["dedup_exchange"] for g in got]
+    check_against_one_rank(ref, got, device, tp, 2, f"two ranks {'tp2+sp' if tp > 1 else 'ep2'}", t0)
+
+
+def check_against_one_rank(ref: dict, got: list[dict], device: str, tp: int, n_batches: int, label: str,
+                           t0: float) -> None:
+    """Every micro-batch's logits and loss, the routing and every merged gradient of the ranks'
+    results ``got`` against the one-rank run ``ref`` (tolerances: module docstring)."""
     bf16 = device == "cuda"  # "cpu" and "cuda-fp32" run in fp32
     lines = [f"backend {ref['backend']} / {[g['backend'] for g in got]}"]
     if bf16:
         assert ref["backend"] in ("torch", "te") and all(g["backend"] == ref["backend"] for g in got)
 
-    # logits and loss of every micro-batch each rank ran
+    # logits and loss of every micro-batch each rank ran: each by the tp ranks of one DP group
     ran = sorted(b for g in got for b in g["logits"])
-    assert ran == ([0, 1] if ep > 1 else [0, 0, 1, 1]), ran
+    assert ran == sorted(b for b in range(n_batches) for _ in range(tp)), ran
     for g in got:
         for b, logits in g["logits"].items():
             scale = ref["logits"][b].abs().max().item()
@@ -239,6 +257,6 @@ def test_two_ranks_match_one_rank(ckpt, device, tp, ep):
     expert_keys = [k for k in want if ".mlp.experts." in k]
     assert expert_keys and any(want[k].abs().max() > 0 for k in expert_keys)
     lines.append(f"{len(want)} gradients, worst {[(k, f'{e:.1e}') for k, e in worst]}")
-    print(f"\n[two ranks {'tp2+sp' if tp > 1 else 'ep2'} vs one, {device}] " + "; ".join(lines)
+    print(f"\n[{label} vs one, {device}] " + "; ".join(lines)
           + f" ({time.time() - t0:.1f} s)")
     assert worst[-1][1] < ((FLIPPED_GRAD_REL if flipped else BF16_GRAD_REL) if bf16 else FP32_TOL), worst
