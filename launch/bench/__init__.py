@@ -1,6 +1,8 @@
 """Benchmarks (``mgrpo bench KIND``): each writes JSON (and a PNG where it helps) under ``--out``.
 
-A kind is a module of this package with ``add_parser(subparsers)``; register it in ``KINDS``.
+A kind is a module of this package with ``add_parser(subparsers)``; register it in ``KINDS``. Its
+``python -m launch.bench.KIND`` entry is :func:`launch.bench._cli.bench_main`; modules named ``_*`` are
+internal (``_layers_*`` and ``_sync_*``: the parts of ``layers`` and ``sync``, which re-export their names).
 Kinds: ``convert`` (HF <-> Megatron dist checkpoint conversion throughput and peak RSS on a
 full-width Qwen3-Omni-layout checkpoint, :mod:`launch.bench.convert`), ``layers`` (N full-width
 thinker layers fwd+bwd: ours vs HF transformers vs megatron's local spec, with the kernel ceiling,

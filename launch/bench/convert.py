@@ -29,6 +29,8 @@ import threading
 import time
 from pathlib import Path
 
+from launch.bench._cli import bench_main
+
 __all__ = ["bench_config", "hf_tensor_specs", "write_checkpoint", "RssSampler", "run_bench", "add_parser"]
 
 MB = 1e6
@@ -447,3 +449,12 @@ def add_parser(bsub) -> argparse.ArgumentParser:
     s.add_argument("--no-progress", action="store_true", help="no progress bars")
     s.set_defaults(func=_cmd)
     return s
+
+
+def main(argv=None) -> int:
+    """``python -m launch.bench.convert ARGS`` == ``mgrpo bench convert ARGS``."""
+    return bench_main("convert", add_parser, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

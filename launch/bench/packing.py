@@ -48,6 +48,7 @@ import sys
 import time
 from pathlib import Path
 
+from launch.bench._cli import bench_main
 from launch.bench.layers import DEFAULT_LENGTHS
 
 __all__ = ["sample_steps", "plan_ours", "plan_padded", "imbalance", "evaluate", "run_bench", "add_parser"]
@@ -287,10 +288,7 @@ def add_parser(bsub) -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     """``python -m launch.bench.packing ARGS`` == ``mgrpo bench packing ARGS``."""
-    p = argparse.ArgumentParser(prog="mgrpo bench")
-    add_parser(p.add_subparsers(dest="kind", required=True))
-    args = p.parse_args(["packing", *(sys.argv[1:] if argv is None else argv)])
-    return int(args.func(args) or 0)
+    return bench_main("packing", add_parser, argv)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,14 @@
+"""``python -m launch.bench.KIND ARGS`` == ``mgrpo bench KIND ARGS``: the shared ``main`` of the kinds."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def bench_main(kind: str, add_parser, argv=None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``) as ``mgrpo bench KIND ARGS`` with the kind's
+    ``add_parser`` and run its command; the exit status."""
+    p = argparse.ArgumentParser(prog="mgrpo bench")
+    add_parser(p.add_subparsers(dest="kind", required=True))
+    args = p.parse_args([kind, *(sys.argv[1:] if argv is None else argv)])
+    return int(args.func(args) or 0)

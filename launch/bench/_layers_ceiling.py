@@ -1,0 +1,78 @@
+"""The kernel ceiling of :mod:`launch.bench.layers`: the essential kernels of each layer
+micro-benchmarked on the same shapes."""
+from __future__ import annotations
+
+import math
+
+from launch.bench._layers_geometry import useful_flops
+from launch.bench._layers_timing import _bench_fn
+
+
+def kernel_ceiling(g: dict, lengths: list[int], counts_per_layer: list[list[int]], device, dtype) -> dict:
+    """Median fwd+bwd time of the essential kernels of each layer (:mod:`launch.bench.layers`)."""
+    import torch
+    import torch.nn.functional as F
+
+    if device.type != "cuda":
+        return {"note": "kernel ceiling needs CUDA (varlen_attn)"}
+    from torch.nn.attention.varlen import varlen_attn
+
+    from model_bridge.modeling.attention import varlen_kwargs
+
+    h, q, kv, d, E, F_ = g["hidden"], g["heads"], g["kv_heads"], g["head_dim"], g["experts"], g["ffn"]
+    T = sum(lengths)
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rnd(*shape, grad=True, scale=1.0):
+        t = (torch.randn(*shape, device=device, dtype=torch.float32, generator=gen) * scale).to(dtype)
+        return t.requires_grad_(grad)
+
+    out = {"layers": []}
+    # experts: both grouped GEMMs, forward + backward (dX, dW), per layer's token counts
+    w1, w2 = rnd(E, 2 * F_, h, scale=0.02), rnd(E, h, F_, scale=0.02)
+    gmm_times = []
+    for counts in counts_per_layer:
+        N = sum(counts)
+        x, a = rnd(N, h), rnd(N, F_)
+        offs = torch.tensor(counts, device=device).cumsum(0).to(torch.int32)
+        g1, g2 = rnd(N, 2 * F_, grad=False), rnd(N, h, grad=False)
+
+        def gmm():
+            y1 = F.grouped_mm(x, w1.transpose(-2, -1), offs=offs)
+            y2 = F.grouped_mm(a, w2.transpose(-2, -1), offs=offs)
+            torch.autograd.backward([y1, y2], [g1, g2])
+            x.grad = a.grad = w1.grad = w2.grad = None
+
+        gmm_times.append(_bench_fn(gmm, device))
+        del x, a, g1, g2
+    # attention
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0).tolist()), dtype=torch.int32, device=device)
+    qq, kk, vv = rnd(T, q, d), rnd(T, kv, d), rnd(T, kv, d)
+    go = rnd(T, q, d, grad=False)
+    kw = varlen_kwargs(qq, kk, causal=True, scale=1.0 / math.sqrt(d))  # the model's own arguments
+
+    def attn():
+        o = varlen_attn(qq, kk, vv, cu, cu, max(lengths), max(lengths), **kw)
+        o.backward(go)
+        qq.grad = kk.grad = vv.grad = None
+
+    t_attn = _bench_fn(attn, device)
+    del qq, kk, vv, go
+    # dense GEMMs: qkv, output projection, router (all bf16)
+    xh, xo = rnd(T, h), rnd(T, q * d)
+    wqkv, wo, wr = rnd((q + 2 * kv) * d, h, scale=0.02), rnd(h, q * d, scale=0.02), rnd(E, h, scale=0.02)
+    gq, go2, gr = rnd(T, (q + 2 * kv) * d, grad=False), rnd(T, h, grad=False), rnd(T, E, grad=False)
+
+    def dense():
+        torch.autograd.backward([xh @ wqkv.t(), xo @ wo.t(), xh @ wr.t()], [gq, go2, gr])
+        xh.grad = xo.grad = wqkv.grad = wo.grad = wr.grad = None
+
+    t_dense = _bench_fn(dense, device)
+    fl = useful_flops(lengths, g)["per_layer_fwd"]
+    for i, t_gmm in enumerate(gmm_times):
+        out["layers"].append({"grouped_mm_s": t_gmm, "varlen_attn_s": t_attn, "dense_s": t_dense,
+                              "grouped_mm_tflops": 3 * fl["experts"] / t_gmm / 1e12,
+                              "varlen_attn_tflops": 3 * fl["attn"] / t_attn / 1e12,
+                              "dense_tflops": 3 * fl["dense"] / t_dense / 1e12})
+    out["total_s"] = sum(x["grouped_mm_s"] + x["varlen_attn_s"] + x["dense_s"] for x in out["layers"])
+    return out

@@ -1,0 +1,128 @@
+"""Our thinker in :mod:`launch.bench.layers`: building it with given weights, packed THD
+micro-batches, the fwd+bwd step (``ours``, ``ours_mb``, ``mcore_local``) and the probe losses."""
+from __future__ import annotations
+
+from launch.bench._layers_timing import _count_syncs, _profile, _time_steps
+
+
+def build_megatron(spec, ep: int, backend: str, dtype, device, tensors: dict):
+    """Our thinker (embedding + decoder, no output layer, no audio tower) with ``tensors``' weights."""
+    import torch
+
+    from model_bridge.config import ParallelLayout
+    from model_bridge.mappings import DictSource, ParallelContext, build_tasks
+    from model_bridge.modeling.thinker import build_thinker
+    from model_bridge.qwen3_omni import mapping_rules
+
+    on_cuda = device.type == "cuda"
+    model = build_thinker(spec, ParallelLayout(ep=ep), dtype, post_process=False, backend=backend,
+                          dummy_audio=False, build_audio=False, perform_initialization=False,
+                          use_cpu_initialization=not on_cuda)
+    model = model.to(device)
+    src = DictSource(tensors)
+    ctx = ParallelContext.from_parallel_state()
+    with torch.no_grad():
+        for t in build_tasks(model, mapping_rules(spec, 1), ctx):
+            t.param.data.copy_(t.mapping.load(src, t.hf, t.param.shape, t.shard).to(device, t.param.dtype))
+    return model.train()
+
+
+def _rms_norm(x, w, eps: float = 1e-6):
+    import torch
+
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _micro_batches(spec, ids: list, probe, device, groups: list[list[int]] | None = None) -> list[tuple]:
+    """``(sample indices, lengths, cu_seqlens, tokens [1, T], MRoPE positions, probe rows)`` per
+    micro-batch (``groups``: sample indices per micro-batch; default one micro-batch of all)."""
+    import torch
+
+    from model_bridge.modeling.thinker import mrope_position_ids
+
+    lens_all = [int(x.numel()) for x in ids]
+    starts = [0] + list(torch.tensor(lens_all).cumsum(0).tolist())
+    mbs = []
+    for grp in groups or [list(range(len(ids)))]:
+        lens = [lens_all[i] for i in grp]
+        cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32, device=device)
+        tokens = torch.cat([ids[i] for i in grp]).unsqueeze(0)
+        pos = mrope_position_ids(tokens, spec, cu_seqlens=cu.cpu()).unsqueeze(1).to(device)
+        pr = torch.cat([probe[starts[i]:starts[i + 1]] for i in grp])
+        mbs.append((grp, lens, cu, tokens, pos, pr))
+    return mbs
+
+
+def _forward_mb(model, mb: tuple, norm_w):
+    """Final-normed hidden states ``[T, h]`` of one micro-batch from :func:`_micro_batches`."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    _, lens, cu, tokens, pos, _ = mb
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens),
+                          max_seqlen_kv=max(lens))
+    hidden = model(tokens, pos, psp)  # [T, 1, h]
+    return _rms_norm(hidden[:, 0], norm_w)
+
+
+def probe_losses(model, spec, ids: list, probe, norm_w, device) -> dict:
+    """Forward only (training mode, no grad) of the whole batch as one micro-batch: the bench's loss
+    ``sum(out * R)``, its scale ``sum(|out * R|)`` and ``sum(out^2)`` (fp32 sums, Python floats).
+    The EP-N run compares these per rank with the EP1 model's on the same tokens."""
+    import torch
+
+    (mb,) = _micro_batches(spec, ids, probe, device)
+    with torch.no_grad():
+        out = _forward_mb(model, mb, norm_w).float()
+        lo = out * mb[5].float()
+        return {"loss": lo.sum().item(), "loss_scale": lo.abs().sum().item(), "sumsq": out.pow(2).sum().item()}
+
+
+def run_ours(model, spec, ids: list, probe, norm_w, device, warmup: int, iters: int, profile_path=None,
+             capture_counts: bool = False, groups: list[list[int]] | None = None, barrier=None) -> dict:
+    """fwd+bwd of the packed batch (``groups``: micro-batches of sample indices, grads accumulated).
+
+    Every rank of an EP run must call this with the same arguments apart from the data (same
+    warmup/iters, ``profile_path`` given on all ranks or on none): each step is collective.
+    ``barrier`` (a callable) lines the ranks up before the timed steps."""
+    import torch
+
+    mbs = _micro_batches(spec, ids, probe, device, groups)
+    counts = []
+    hooks = []
+    if capture_counts:
+        from model_bridge.modeling.experts import TorchGroupedMLP
+
+        def hook(mod, args):
+            counts.append([int(v) for v in torch.as_tensor(args[1]).tolist()])
+
+        for m in model.modules():
+            if isinstance(m, TorchGroupedMLP):
+                hooks.append(m.register_forward_pre_hook(hook))
+
+    def step(keep=False):
+        model.zero_grad(set_to_none=True)
+        norm_w.grad = None
+        outs = {}
+        for grp, lens, cu, tokens, pos, pr in mbs:
+            out = _forward_mb(model, (grp, lens, cu, tokens, pos, pr), norm_w)
+            (out.float() * pr).sum().backward()
+            if keep:
+                off = 0
+                for i, n in zip(grp, lens):
+                    outs[i] = out[off:off + n].detach()
+                    off += n
+        return torch.cat([outs[i] for i in range(len(ids))]) if keep else None
+
+    first = step(keep=True)
+    for h in hooks:
+        h.remove()
+    if barrier is not None:
+        barrier()
+    times = _time_steps(step, device, warmup, iters)
+    res = {"step_s": times, "output": first, "expert_counts": counts,
+           "micro_batch_tokens": [sum(m[1]) for m in mbs]}
+    if profile_path is not None and device.type == "cuda":
+        res["profile"] = _profile(step, profile_path)
+        res["host_syncs"] = _count_syncs(step)
+    return res

@@ -1,0 +1,129 @@
+"""Reporting of :mod:`launch.bench.layers`: ratios and targets, the EP merge, the plot, the table."""
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from launch.bench._layers_geometry import TARGET_EP_VS_EP1, TARGET_VS_CEILING, TARGET_VS_HF_BS1
+
+
+def _ratios(res: dict) -> dict:
+    s = res["systems"]
+    r = {}
+    if "ours" in s:
+        if "hf_bs1" in s:
+            r["ours_vs_hf_bs1_tok_s"] = s["ours"]["tok_per_s"] / s["hf_bs1"]["tok_per_s"]
+            if s["ours"]["peak_mem_gib"] and s["hf_bs1"]["peak_mem_gib"]:
+                r["ours_vs_hf_bs1_peak_mem"] = s["ours"]["peak_mem_gib"] / s["hf_bs1"]["peak_mem_gib"]
+        if "hf_bs4" in s:
+            r["ours_vs_hf_bs4_tok_s"] = s["ours"]["tok_per_s"] / s["hf_bs4"]["tok_per_s"]
+            if s["ours"]["peak_mem_gib"] and s["hf_bs4"]["peak_mem_gib"]:
+                r["ours_vs_hf_bs4_peak_mem"] = s["ours"]["peak_mem_gib"] / s["hf_bs4"]["peak_mem_gib"]
+        if "ours_mb" in s:
+            for ref in ("hf_bs1", "hf_bs4"):
+                if ref in s:
+                    r[f"ours_mb_vs_{ref}_tok_s"] = s["ours_mb"]["tok_per_s"] / s[ref]["tok_per_s"]
+                    if s["ours_mb"]["peak_mem_gib"] and s[ref]["peak_mem_gib"]:
+                        r[f"ours_mb_vs_{ref}_peak_mem"] = s["ours_mb"]["peak_mem_gib"] / s[ref]["peak_mem_gib"]
+        if "mcore_local" in s:
+            r["ours_vs_mcore_local_tok_s"] = s["ours"]["tok_per_s"] / s["mcore_local"]["tok_per_s"]
+        kc = res.get("kernel_ceiling", {})
+        if "total_s" in kc:
+            r["ours_vs_kernel_ceiling"] = kc["total_s"] / s["ours"]["step_s_median"]
+    r["targets"] = {
+        "vs_hf_bs1>=1.8": r.get("ours_vs_hf_bs1_tok_s", 0) >= TARGET_VS_HF_BS1 if "ours_vs_hf_bs1_tok_s" in r else None,
+        "vs_ceiling>=0.85": r.get("ours_vs_kernel_ceiling", 0) >= TARGET_VS_CEILING
+        if "ours_vs_kernel_ceiling" in r else None,
+        "peak_mem<=hf_bs1": r["ours_vs_hf_bs1_peak_mem"] <= 1.0 if "ours_vs_hf_bs1_peak_mem" in r else None,
+        "peak_mem<=hf_bs4": r["ours_vs_hf_bs4_peak_mem"] <= 1.0 if "ours_vs_hf_bs4_peak_mem" in r else None,
+    }
+    return r
+
+
+def _plot(res: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:  # noqa: BLE001 - no matplotlib: JSON only
+        return
+    s = res["systems"]
+    order = ("ours", "ours_mb", "hf_bs1", "hf_bs4", "mcore_local")
+    names = [n for n in order if n in s] + [n for n in s if n not in order]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    axes[0].bar(names, [s[n]["tok_per_s"] / 1e3 for n in names], color="tab:blue")
+    axes[0].set_ylabel("useful k tok/s" + (" per GPU" if res.get("ep", 1) > 1 else ""))
+    if res.get("ep", 1) > 1 and "ours_ep1" in s:
+        t = TARGET_EP_VS_EP1 * s["ours_ep1"]["tok_per_s"] / 1e3
+        axes[0].axhline(t, color="k", ls="--", label=f"target {TARGET_EP_VS_EP1}x EP1")
+        axes[0].legend()
+    axes[1].bar(names, [s[n]["useful_tflops"] for n in names], color="tab:green")
+    kc = res.get("kernel_ceiling", {})
+    if "useful_tflops" in kc:
+        axes[1].axhline(kc["useful_tflops"], color="k", ls="--", label=f"kernel ceiling {kc['useful_tflops']:.0f}")
+        axes[1].legend()
+    axes[1].set_ylabel("useful TFLOP/s" + (" per GPU" if res.get("ep", 1) > 1 else ""))
+    mem = [s[n]["peak_mem_gib"] or 0 for n in names]
+    axes[2].bar(names, mem, color="tab:red")
+    axes[2].set_ylabel("peak GiB")
+    g = res["geometry"]
+    per = " per GPU" if res.get("ep", 1) > 1 else ""
+    fig.suptitle(f"{g['layers']} thinker layers, {len(res['lengths'])} samples / {res['tokens']} tokens{per}, "
+                 f"fwd+bwd {res.get('dtype', 'bfloat16')}, EP {res.get('ep', 1)} ({res['env'].get('gpu', 'cpu')})")
+    for ax in axes:
+        ax.tick_params(axis="x", rotation=15)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _merge_ep(base: dict, values: list[dict], ep: int) -> dict:
+    """The JSON of an ``--ep N`` run from the EP1 baseline's result and the N ranks' results."""
+    b = base["systems"]["ours"]
+    per_rank = []
+    for r, v in enumerate(values):
+        s = v["systems"]["ours"]
+        mine, ref = v["losses"][0], base["losses"][r]
+        per_rank.append({
+            "rank": r, "tokens": v["tokens"], "local_experts": v["local_experts"], "tok_per_s": s["tok_per_s"],
+            "useful_tflops": s["useful_tflops"], "step_s_median": s["step_s_median"],
+            "peak_mem_gib": s["peak_mem_gib"], "tok_per_s_vs_ep1": s["tok_per_s"] / b["tok_per_s"],
+            "loss": mine["loss"], "loss_ep1": ref["loss"],
+            "loss_rel_diff": abs(mine["loss"] - ref["loss"]) / max(ref["loss_scale"], 1e-30),
+            "sumsq_rel_diff": abs(mine["sumsq"] - ref["sumsq"]) / max(ref["sumsq"], 1e-30)})
+    res = {k: v for k, v in values[0].items() if k not in ("systems", "losses", "ratios", "rank")}
+    res["lengths_per_rank"] = [v["lengths"] for v in values]
+    res["systems"] = {"ours_ep1": b, **{f"ours_ep{ep}_rank{r}": v["systems"]["ours"] for r, v in enumerate(values)}}
+    res["ep1_baseline"] = {"lengths": base["lengths"], "tokens": base["tokens"], "losses": base["losses"],
+                           "env": base["env"]}
+    res["per_rank"] = per_rank
+    tps = [p["tok_per_s"] for p in per_rank]
+    peaks = [p["peak_mem_gib"] for p in per_rank]
+    mean_ratio = statistics.mean(tps) / b["tok_per_s"]
+    res["ratios"] = {
+        f"ep{ep}_vs_ep1_per_gpu_tok_s": mean_ratio,
+        f"ep{ep}_vs_ep1_per_gpu_tok_s_slowest_rank": min(tps) / b["tok_per_s"],
+        f"ep{ep}_vs_ep1_peak_mem": (max(peaks) / b["peak_mem_gib"]) if b["peak_mem_gib"] and all(peaks) else None,
+        "loss_rel_diff_max": max(p["loss_rel_diff"] for p in per_rank),
+        "targets": {f"ep{ep}_per_gpu_tok_s>={TARGET_EP_VS_EP1}x_ep1": mean_ratio >= TARGET_EP_VS_EP1},
+    }
+    return res
+
+
+def _print_table(res: dict) -> None:
+    s = res["systems"]
+    w = max([12] + [len(n) for n in s])
+    print(f"\n{'system':<{w}} {'tok/s':>10} {'TFLOP/s':>9} {'step ms':>9} {'peak GiB':>9}")
+    for n, v in s.items():
+        pk = f"{v['peak_mem_gib']:.1f}" if v["peak_mem_gib"] is not None else "-"
+        print(f"{n:<{w}} {v['tok_per_s']:>10.0f} {v['useful_tflops']:>9.1f} {v['step_s_median'] * 1e3:>9.1f} {pk:>9}")
+    kc = res.get("kernel_ceiling", {})
+    if "total_s" in kc:
+        print(f"{'ceiling':<{w}} {kc['tok_per_s']:>10.0f} {kc['useful_tflops']:>9.1f} {kc['total_s'] * 1e3:>9.1f}")
+    for p in res.get("per_rank", []):
+        print(f"rank {p['rank']}: {p['tokens']} tokens, {p['local_experts']} local experts, "
+              f"{p['tok_per_s_vs_ep1']:.3f}x EP1 tok/s; probe loss {p['loss']:.6g} vs EP1 {p['loss_ep1']:.6g} "
+              f"(rel diff {p['loss_rel_diff']:.2e}, sum sq rel diff {p['sumsq_rel_diff']:.2e})")
+    print("ratios:", json.dumps(res["ratios"], indent=None, default=str))

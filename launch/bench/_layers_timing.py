@@ -1,0 +1,116 @@
+"""Timing, memory, profiling and environment helpers of :mod:`launch.bench.layers`."""
+from __future__ import annotations
+
+import datetime
+import gc
+import platform
+import statistics
+import time
+from pathlib import Path
+
+
+class _Timer:
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def __enter__(self):
+        import torch
+
+        if self.cuda:
+            self.a, self.b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.a.record()
+        else:
+            self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+
+        if self.cuda:
+            self.b.record()
+            torch.cuda.synchronize()
+            self.s = self.a.elapsed_time(self.b) / 1e3
+        else:
+            self.s = time.perf_counter() - self.t0
+
+
+def _time_steps(step, device, warmup: int, iters: int) -> list[float]:
+    for _ in range(warmup):
+        step()
+    out = []
+    for _ in range(iters):
+        with _Timer(device) as t:
+            step()
+        out.append(t.s)
+    return out
+
+
+def _mem_reset(device):
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _peak_gib(device) -> float | None:
+    import torch
+
+    return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+
+
+def _bench_fn(fn, device, warmup=3, iters=10) -> float:
+    return statistics.median(_time_steps(fn, device, warmup, iters))
+
+
+def _count_syncs(step) -> dict:
+    """Synchronizing CUDA calls in one step (torch's sync debug mode), by the Python line that made them."""
+    import collections
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode(1)
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    where = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught
+                                if "synchroniz" in str(w.message))
+    return {"total": sum(where.values()), "by_line": dict(where.most_common(12))}
+
+
+def _profile(step, path) -> str:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    ka = prof.key_averages()
+    try:
+        table = ka.table(sort_by="device_time_total", row_limit=45, max_name_column_width=70)
+    except Exception:  # noqa: BLE001 - older torch: the CUDA column's old name
+        table = ka.table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=70)
+    Path(path).write_text(table + "\n")
+    return table
+
+
+def _env(device) -> dict:
+    import torch
+
+    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "python": platform.python_version(), "torch": torch.__version__, "host": platform.node()}
+    for name, mod in (("transformers", "transformers"), ("megatron_core", "megatron.core")):
+        try:
+            env[name] = __import__(mod, fromlist=["__version__"]).__version__
+        except Exception:  # noqa: BLE001
+            env[name] = None
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
+    return env
