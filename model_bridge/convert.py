@@ -203,7 +203,7 @@ def mcore_to_hf(mcore, hf_source, out, *, max_shard_size: str | int = "4GiB", pr
     tensors copied from ``hf_source``). Returns {seconds, bytes, ...}. Shards are written as the
     tensors arrive (no buffering), so ``max_shard_size`` does not affect memory.
 
-    ``mcore`` may also be a training checkpoint (``RUN/checkpoints/step_XXXXXXXX``), a run dir or
+    ``mcore`` may also be a training checkpoint (``RUN/checkpoints/step_<8-digit step>``), a run dir or
     its ``checkpoints/`` (the newest complete checkpoint); then ``hf_source`` None means the run's
     ``model.hf_dir`` (its config.json). ``notify`` gets a line for each such choice (also in the
     result's ``notes``)."""

@@ -241,7 +241,7 @@ def iter_dist_checkpoint_as_hf(ckpt_dir, spec, *, model=None, dtype: Optional[to
     (built here when None). Parameters are read ``group_bytes`` at a time, in model order, so
     memory holds about one group (the largest single tensor, e.g. the embedding, is a group alone).
 
-    ``ckpt_dir`` may also be a megatron-grpo training checkpoint (a ``step_XXXXXXXX`` dir), or a
+    ``ckpt_dir`` may also be a megatron-grpo training checkpoint (a ``step_<8-digit step>`` dir, e.g. ``step_00000020``), or a
     run dir or its ``checkpoints/`` (the newest complete checkpoint is read); ``spec`` must then be
     the model the run started from. Its model weights are read in their stored dtype.
     """

@@ -116,7 +116,7 @@ def resolve_mcore_input(path: str | os.PathLike) -> tuple[Path, Optional[str]]:
     latest = find_latest_checkpoint(run_dir)
     if latest is None:
         raise CheckpointError(f"{d} is a training run directory without a complete checkpoint under "
-                              f"{run_dir / 'checkpoints'} (a complete one is a step_XXXXXXXX dir with {META_FILE})")
+                              f"{run_dir / 'checkpoints'} (a complete one is a step_<8-digit step> dir, e.g. step_00000020, with {META_FILE})")
     return latest, f"using {latest}, the newest complete checkpoint of run {run_dir}"
 
 
@@ -158,7 +158,7 @@ def check_dist_checkpoint(ckpt_dir: str | os.PathLike, spec=None, *, allow_train
         hint = ""
         if _run_dir_of(d) is not None:
             hint = (" (it is a training run directory: `mgrpo convert mcore-to-hf --mcore` takes it and picks its "
-                    "newest checkpoint; elsewhere pass one of its checkpoints/step_XXXXXXXX dirs)")
+                    "newest checkpoint; elsewhere pass one of its checkpoints/step_<8-digit step> dirs)")
         elif (d / "config.json").is_file() or any(d.glob("*.safetensors")):
             hint = " (it looks like an HF checkpoint: convert it with `mgrpo convert hf-to-mcore`)"
         raise CheckpointError(f"{d} has no metadata.json: not a Megatron dist checkpoint, or an incomplete one{hint}")

@@ -30,38 +30,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .experts import gather_sum
+from .permute import _CombineRows, _GatherRows
 
 __all__ = ["DedupExchange"]
-
-
-class _Gather(torch.autograd.Function):
-    """``x[src]``; backward: ``out[t] = sum_j grad[inv[t * k + j]]`` (empty slots are -1)."""
-
-    @staticmethod
-    def forward(ctx, x, src, inv, k):
-        ctx.save_for_backward(inv)
-        ctx.k = k
-        return x.index_select(0, src)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (inv,) = ctx.saved_tensors
-        return gather_sum(grad.contiguous(), inv, ctx.k, has_empty=True), None, None, None
-
-
-class _GatherSum(torch.autograd.Function):
-    """``out[t] = sum_j y[inv[t * k + j]]`` (fp32 sum, empty slots -1); backward: ``grad[src]``."""
-
-    @staticmethod
-    def forward(ctx, y, inv, src, k):
-        ctx.save_for_backward(src)
-        return gather_sum(y.contiguous(), inv, k, has_empty=True)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (src,) = ctx.saved_tensors
-        return grad.contiguous().index_select(0, src), None, None, None
 
 
 def _slot_table(rows_n: torch.Tensor, slot_n: torch.Tensor, n: int, k: int) -> torch.Tensor:
@@ -100,7 +71,7 @@ class DedupExchange:
         self.send_t = pairs_N2[:, 1].contiguous()
         send_q = pairs_N2[:, 0]
         self.inv_src = _slot_table(self.send_t, send_q, T, P)  # token t's copy for rank q
-        x_send = _Gather.apply(x_Th, self.send_t, self.inv_src, P)
+        x_send = _GatherRows.apply(x_Th, self.send_t, self.inv_src, P, True)
         probs_NL = probs_TE.view(T, P, El)[self.send_t, send_q]  # [Ns, El]
         mask_NL = mask_TPl[self.send_t, send_q].to(probs_NL.dtype)
         return x_send, torch.cat([probs_NL, mask_NL], 1)
@@ -127,15 +98,15 @@ class DedupExchange:
         expert_R, self.rows_n = pairs_R2[:, 0], pairs_R2[:, 1].contiguous()
         slot_R = (mask_NL.to(torch.int32).cumsum(1) - 1)[self.rows_n, expert_R]  # < kl
         self.inv_rows = _slot_table(self.rows_n, slot_R.to(torch.int64), Nr, kl)
-        rows = _Gather.apply(x_recv, self.rows_n, self.inv_rows, kl)
+        rows = _GatherRows.apply(x_recv, self.rows_n, self.inv_rows, kl, True)
         return rows, self.tokens_per_expert, probs_NL[self.rows_n, expert_R]
 
     # 4. ------------------------------------------------------------------------------------------
     def reduce_rows(self, y_rows: torch.Tensor) -> torch.Tensor:
         """Expert outputs ``[R, h]`` -> one row per received token ``[Nr, h]``."""
-        return _GatherSum.apply(y_rows, self.inv_rows, self.rows_n, self.kl)
+        return _CombineRows.apply(y_rows, self.inv_rows, self.rows_n, self.kl, True)
 
     # 6. ------------------------------------------------------------------------------------------
     def reduce_ranks(self, y_back: torch.Tensor) -> torch.Tensor:
         """Returned partial outputs ``[Ns, h]`` -> ``[T, h]`` (sum over the ranks)."""
-        return _GatherSum.apply(y_back, self.inv_src, self.send_t, self.P)
+        return _CombineRows.apply(y_back, self.inv_src, self.send_t, self.P, True)

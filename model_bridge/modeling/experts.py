@@ -37,10 +37,7 @@ on sm80+, and CPU fp32/bf16 in torch >= 2.10); otherwise a per-expert matmul loo
 saves only its input and the probabilities and recomputes in the backward: on CUDA one fused
 Triton kernel each way (fp32 math; ``MGRPO_TRITON_GLU=0`` disables it), elsewhere eager torch.
 
-Also here: :func:`sort_by_expert` / :func:`unsort_combine`, the token permutation the torch backend's
-dispatcher uses instead of megatron's (``argsort`` over ``[T * E]`` and a ``scatter_add`` of bf16
-rows): one ``argsort`` over the ``T * k`` (token, expert) pairs, and gathers in both directions
-(the combine sums each token's ``k`` rows in fp32), no atomics.
+The token permutation the torch backend's dispatcher uses around these experts is in ``permute.py``.
 """
 from __future__ import annotations
 
@@ -53,8 +50,9 @@ import torch.nn.functional as F
 
 from megatron.core.transformer.module import MegatronModule
 
-__all__ = ["TorchGroupedMLP", "grouped_linear", "grouped_mm_available", "expert_offsets", "weighted_glu",
-           "sort_by_expert", "unsort_combine", "topk_indices"]
+from .permute import _TRITON_ON_CPU  # the one switch for all our Triton kernels (tests only)
+
+__all__ = ["TorchGroupedMLP", "grouped_linear", "grouped_mm_available", "expert_offsets", "weighted_glu"]
 
 _GLU_CHUNK_ROWS = 16384
 
@@ -144,8 +142,6 @@ def _triton_glu_available(t: torch.Tensor) -> bool:
     return (t.is_cuda or _TRITON_ON_CPU) and _triton_kernels() is not None
 
 
-_TRITON_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("MGRPO_TRITON_GLU_CPU") == "1"
-"""Tests only: run the Triton kernels through Triton's interpreter on CPU tensors."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -209,57 +205,6 @@ def _triton_kernels():
         return (_t.cdiv(max(n, 1), block_m),), block_m, block_f
 
     return fwd, bwd, launch_cfg
-
-
-@functools.lru_cache(maxsize=None)
-def _triton_gather_sum_kernel():
-    """``out[t] = sum_j y[idx[t, j]]`` (fp32 accumulation), one pass; None without Triton."""
-    if os.environ.get("MGRPO_TRITON_GLU", "1") == "0":
-        return None
-    try:
-        import triton
-        import triton.language as tl
-    except Exception:  # noqa: BLE001
-        return None
-
-    @triton.jit
-    def gather_sum(y_ptr, idx_ptr, out_ptr, H, stride_y, stride_o, K: tl.constexpr, BLOCK_H: tl.constexpr):
-        t = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        cmask = cols < H
-        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-        for j in tl.static_range(K):
-            row = tl.load(idx_ptr + t * K + j).to(tl.int64)
-            # a negative index is an empty slot (the EP dispatcher's tokens with < K rows here);
-            # the test is broadcast to a vector (Triton's interpreter takes no scalar in a mask)
-            ok = (cols * 0 + row) >= 0
-            acc += tl.load(y_ptr + row * stride_y + cols, mask=cmask & ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + t.to(tl.int64) * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=cmask)
-
-    return gather_sum
-
-
-def gather_sum(y: torch.Tensor, idx: torch.Tensor, k: int, has_empty: bool = False) -> torch.Tensor:
-    """``[T, h]`` with row t = sum over j < k of ``y[idx[t * k + j]]`` (``idx`` int64 ``[T * k]``),
-    accumulated in fp32; one fused Triton pass on CUDA (no ``[T * k, h]`` temporary). With
-    ``has_empty`` a negative index is an empty slot (adds nothing)."""
-    n = idx.shape[0] // k
-    kern = _triton_gather_sum_kernel() if (y.is_cuda or _TRITON_ON_CPU) else None
-    if kern is None or y.dim() != 2:
-        if has_empty:
-            rows = y.index_select(0, idx.clamp(min=0)) * (idx >= 0).unsqueeze(-1).to(y.dtype)
-            return rows.view(n, k, y.shape[-1]).sum(1)
-        return y.index_select(0, idx).view(n, k, y.shape[-1]).sum(1)  # fp32 accumulation inside
-    y = y if y.stride(-1) == 1 else y.contiguous()
-    H = y.shape[1]
-    out = torch.empty(n, H, dtype=y.dtype, device=y.device)
-    if n:
-        import triton
-
-        block = min(1024, triton.next_power_of_2(H))
-        kern[(n, triton.cdiv(H, block))](y, idx.contiguous(), out, H, y.stride(0), out.stride(0), K=k, BLOCK_H=block,
-                                         num_warps=4)
-    return out
 
 
 def _glu_fwd_triton(h: torch.Tensor, probs: Optional[torch.Tensor]) -> torch.Tensor:
@@ -556,67 +501,3 @@ class TorchGroupedMLP(MegatronModule):
 
 _EXTRA = "mgrpo_expert"
 """State-dict key stem of the per-expert ``_extra_state`` placeholders."""
-
-
-# ------------------------------------------------------------------------------------------------
-# token permutation by expert (for the torch backend's dispatcher)
-# ------------------------------------------------------------------------------------------------
-
-def topk_indices(routing_map: torch.Tensor, topk: int) -> torch.Tensor:
-    """int64 ``[T, k]``: the experts each token is routed to (any order), from a ``[T, E]`` bool map
-    with exactly ``k`` True per row (dropless top-k routing)."""
-    return torch.topk(routing_map.to(torch.int8), topk, dim=1, sorted=False).indices
-
-
-class _GatherRows(torch.autograd.Function):
-    """``x[order // k]`` (each token once per routed expert); backward sums each token's k rows."""
-
-    @staticmethod
-    def forward(ctx, x, src_rows, inv, k):
-        ctx.save_for_backward(inv)
-        ctx.k, ctx.n = k, x.shape[0]
-        return x.index_select(0, src_rows)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (inv,) = ctx.saved_tensors
-        return gather_sum(grad, inv, ctx.k), None, None, None
-
-
-class _CombineRows(torch.autograd.Function):
-    """``out[t] = sum_j y[inv[t * k + j]]`` (fp32 sum); backward gathers ``grad[order // k]``."""
-
-    @staticmethod
-    def forward(ctx, y, inv, src_rows, k):
-        ctx.save_for_backward(src_rows)
-        return gather_sum(y, inv, k)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (src_rows,) = ctx.saved_tensors
-        return grad.contiguous().index_select(0, src_rows), None, None, None
-
-
-def sort_by_expert(tokens: torch.Tensor, topk_idx: torch.Tensor, probs: Optional[torch.Tensor] = None
-                   ) -> tuple[torch.Tensor, Optional[torch.Tensor], dict]:
-    """Tokens ``[T, h]`` routed by ``topk_idx [T, k]`` -> rows sorted by (expert, token) ``[T*k, h]``
-    (megatron's permute order), their probabilities ``probs[t, e]`` from a dense ``[T, E]`` map,
-    and the plan :func:`unsort_combine` needs. One argsort over ``T * k`` keys; no host sync."""
-    T, k = topk_idx.shape
-    experts = topk_idx.reshape(-1)
-    key = experts * T + torch.arange(T, device=experts.device).repeat_interleave(k)
-    order = torch.argsort(key)  # keys are unique: the order is (expert, token)
-    inv = torch.empty_like(order)
-    inv[order] = torch.arange(order.numel(), device=order.device)
-    src_rows = torch.div(order, k, rounding_mode="floor")
-    out = _GatherRows.apply(tokens, src_rows, inv, k)
-    pprobs = None
-    if probs is not None:
-        pprobs = probs.gather(1, topk_idx).reshape(-1).index_select(0, order)
-    return out, pprobs, {"inv": inv, "src_rows": src_rows, "k": k, "experts_sorted": experts.index_select(0, order)}
-
-
-def unsort_combine(rows: torch.Tensor, plan: dict) -> torch.Tensor:
-    """Inverse of :func:`sort_by_expert`: ``[T*k, h]`` expert outputs -> ``[T, h]`` (sum over each
-    token's k rows, in fp32)."""
-    return _CombineRows.apply(rows, plan["inv"], plan["src_rows"], plan["k"])

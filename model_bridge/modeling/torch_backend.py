@@ -51,7 +51,8 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispa
 
 from .attention import PackedCoreAttention, packed_segments, varlen_kwargs
 from .ep_dispatch import DedupExchange
-from .experts import TorchGroupedMLP, sort_by_expert, topk_indices, unsort_combine
+from .experts import TorchGroupedMLP
+from .permute import sort_by_expert, topk_indices, unsort_combine
 from .specs import _check_config, local_block_spec, register_backend
 
 __all__ = ["torch_block_spec", "TorchCoreAttention", "TorchSelfAttention", "TorchMoELayer", "VarlenPlan",
@@ -241,7 +242,7 @@ def _cos_sin(freqs: torch.Tensor, mscale: float):
 
 
 def _fused_rope_ok(t: torch.Tensor, freqs: torch.Tensor, config) -> bool:
-    from .experts import _TRITON_ON_CPU
+    from .permute import _TRITON_ON_CPU
 
     d = t.shape[-1]
     return ((t.is_cuda or _TRITON_ON_CPU) and freqs.shape[-1] == d and d % 2 == 0 and (d // 2) & (d // 2 - 1) == 0

@@ -53,7 +53,7 @@ def _routing(T: int, E: int, k: int, seed: int):
 def test_sort_by_expert_matches_megatron_permute():
     from megatron.core.transformer.moe.moe_utils import permute, unpermute
 
-    from model_bridge.modeling.experts import sort_by_expert, topk_indices, unsort_combine
+    from model_bridge.modeling.permute import sort_by_expert, topk_indices, unsort_combine
 
     T, E, k, H = 37, 8, 3, 16
     probs, rmap = _routing(T, E, k, 0)
@@ -177,6 +177,7 @@ def test_grouped_mlp_matches_sequential_mlp():
 def _rank_triton_glu_interpreted():
     """Triton's interpreter (CPU tensors): the fused kernels == float64 eager math."""
     import model_bridge.modeling.experts as ex
+    import model_bridge.modeling.permute as pm
 
     if ex._triton_kernels() is None or not ex._TRITON_ON_CPU:
         return None
@@ -205,13 +206,13 @@ def _rank_triton_glu_interpreted():
         T, k, H = 13, 3, 40
         y = torch.randn(T * k + 5, H, generator=g).to(dtype)
         idx = torch.randperm(T * k, generator=g)
-        got = ex.gather_sum(y, idx, k)
+        got = pm.gather_sum(y, idx, k)
         ref = y.double().index_select(0, idx).view(T, k, H).sum(1)
         out[f"gather_sum-{dtype}"] = _rel(got, ref)
         # empty slots (-1), as the EP exchange has for tokens with fewer than k rows on a rank
         idx_e = idx.clone()
         idx_e[::4] = -1
-        got = ex.gather_sum(y, idx_e, k, has_empty=True)
+        got = pm.gather_sum(y, idx_e, k, has_empty=True)
         keep = (idx_e >= 0).double().view(T, k, 1)
         ref = (y.double().index_select(0, idx_e.clamp(min=0)).view(T, k, H) * keep).sum(1)
         out[f"gather_sum_empty-{dtype}"] = _rel(got, ref)
@@ -312,10 +313,11 @@ def _rank_backends(hf_dir: str, tp: int, ep: int, check_ckpt_dir: str | None):
     w_logits[n_real:] = 0.0
     res: dict = {"layout": (tp, ep)}
     import model_bridge.modeling.experts as ex
+    import model_bridge.modeling.permute as pm
     import model_bridge.modeling.torch_backend as tb
 
     used = {"glu": False, "gather_sum": False, "rope": False}
-    orig = (ex._glu_fwd_triton, ex.gather_sum, tb._rope_launch)
+    orig = (ex._glu_fwd_triton, pm.gather_sum, tb._rope_launch)
 
     def spy(key, fn):
         def wrapped(*a, **k):
@@ -324,7 +326,7 @@ def _rank_backends(hf_dir: str, tp: int, ep: int, check_ckpt_dir: str | None):
         return wrapped
 
     ex._glu_fwd_triton, tb._rope_launch = spy("glu", orig[0]), spy("rope", orig[2])
-    ex_gs = ex._triton_gather_sum_kernel
+    ex_gs = pm._triton_gather_sum_kernel
 
     def gs_spy():
         kern = ex_gs()
@@ -332,7 +334,7 @@ def _rank_backends(hf_dir: str, tp: int, ep: int, check_ckpt_dir: str | None):
             used["gather_sum"] = True
         return kern
 
-    ex._triton_gather_sum_kernel = gs_spy
+    pm._triton_gather_sum_kernel = gs_spy
     models, outs = {}, {}
     for backend in ("local", "torch"):
         model = build_thinker(spec, ParallelLayout(tp=tp, ep=ep), torch.float32, backend=backend)
@@ -343,7 +345,7 @@ def _rank_backends(hf_dir: str, tp: int, ep: int, check_ckpt_dir: str | None):
         outs[backend] = {"logits": logits.detach()[:n_real], "grads": grads_by_hf_name(model, spec)}
         models[backend] = model
     res["triton_paths"] = dict(used)
-    ex._glu_fwd_triton, ex._triton_gather_sum_kernel, tb._rope_launch = orig[0], ex_gs, orig[2]
+    ex._glu_fwd_triton, pm._triton_gather_sum_kernel, tb._rope_launch = orig[0], ex_gs, orig[2]
     res["expert_param_names"] = sorted({n.split("mlp.experts.")[1] for n, _ in models["torch"].named_parameters()
                                         if "mlp.experts." in n})
     res["logits_rel"] = _rel(outs["torch"]["logits"], outs["local"]["logits"])
