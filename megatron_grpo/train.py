@@ -108,7 +108,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
     _exit_on_sigterm()  # before the loop a SIGTERM (spawn_ranks stopping us) must still run the cleanup
     side = open_side(cfg, run_dir) if rank == 0 else None  # vLLM starts while ranks build the model
     try:  # until the loop's `finally` takes over, an error must not leave the local server running
-        engine = build_engine(cfg.model.hf_dir, layout, cfg.optimizer, dtype=dtype, backend=cfg.model.backend)
+        engine = build_engine(cfg.model.hf_dir, layout, cfg.optimizer, dtype=dtype, backend=cfg.model.backend,
+                              recompute=cfg.model.recompute)
         data = None  # rollout.server replay trains on the recording: the prompts are not read
         if cfg.rollout.server != "replay":
             data = DataIterator.from_config(read_jsonl(cfg.data.train_jsonl, cfg.data), cfg.data,

@@ -295,7 +295,9 @@ def thinker_transformer_config(spec: OmniSpec, layout: ParallelLayout, dtype: to
         moe_router_score_function="softmax", moe_router_pre_softmax=not t.norm_topk_prob,
         moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=t.router_aux_loss_coef,
         moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False, moe_permute_fusion=False,
-        moe_router_dtype="fp32",
+        # router GEMM in the model dtype and softmax in fp32, as HF and vLLM compute it (a fp32 GEMM
+        # gives other logits in bf16 -> other routing than the rollout engine; and costs 2 fp32 GEMMs)
+        moe_router_dtype=None,
         mrope_section=list(t.mrope_section),
         init_method_std=0.02,
     )

@@ -5,7 +5,19 @@ from __future__ import annotations
 from launch.bench._layers_timing import _count_syncs, _profile, _time_steps
 
 
-def build_megatron(spec, ep: int, backend: str, dtype, device, tensors: dict):
+OUR_SYSTEMS = {
+    "ours": ("torch", False, "none"),
+    "ours_rc": ("torch", False, "experts"),
+    "ours_mb": ("torch", True, "none"),
+    "ours_mb_rc": ("torch", True, "experts"),
+    "ours_full_rc": ("torch", False, "full"),
+    "mcore_local": ("local", False, "none"),
+}
+"""Megatron systems of the bench: name -> (layer-spec backend, micro-batches of ``--mb-tokens``
+(else the whole batch in one), ``build_thinker``'s ``recompute``)."""
+
+
+def build_megatron(spec, ep: int, backend: str, dtype, device, tensors: dict, recompute: str = "none"):
     """Our thinker (embedding + decoder, no output layer, no audio tower) with ``tensors``' weights."""
     import torch
 
@@ -16,7 +28,7 @@ def build_megatron(spec, ep: int, backend: str, dtype, device, tensors: dict):
 
     on_cuda = device.type == "cuda"
     model = build_thinker(spec, ParallelLayout(ep=ep), dtype, post_process=False, backend=backend,
-                          dummy_audio=False, build_audio=False, perform_initialization=False,
+                          dummy_audio=False, build_audio=False, perform_initialization=False, recompute=recompute,
                           use_cpu_initialization=not on_cuda)
     model = model.to(device)
     src = DictSource(tensors)

@@ -11,7 +11,7 @@ from launch.bench._layers_ceiling import kernel_ceiling
 from launch.bench._layers_geometry import (_DTYPES, _base_lengths, geometry, make_batch, omni_config, pack_by_budget,
                                            rank_lengths, useful_flops)
 from launch.bench._layers_hf import build_hf, hf_state_as_checkpoint, run_hf
-from launch.bench._layers_ours import build_megatron, probe_losses, run_ours
+from launch.bench._layers_ours import OUR_SYSTEMS, build_megatron, probe_losses, run_ours
 from launch.bench._layers_report import _ratios
 from launch.bench._layers_timing import _env, _mem_reset, _peak_gib
 
@@ -131,13 +131,13 @@ def _rank_run(out: Path, layers, tokens, ep, tiny, systems, warmup, iters, seed,
             log(f"{name}: {s['tok_per_s']:.0f} tok/s, {s['useful_tflops']:.1f} TFLOP/s, peak {s['peak_mem_gib']}")
     del hf
     counts = None
-    for name, backend, budget in (("ours", "torch", None), ("ours_mb", "torch", mb_tokens),
-                                  ("mcore_local", "local", None)):
+    for name, (backend, mb, recompute) in OUR_SYSTEMS.items():
         if name not in systems or (ep > 1 and name != "ours"):
             continue
+        budget = mb_tokens if mb else None
         with armed(f"build {name}"):
             _mem_reset(device)
-            model = build_megatron(spec, ep, backend, dtype, device, tensors)
+            model = build_megatron(spec, ep, backend, dtype, device, tensors, recompute=recompute)
             log(f"{name}: megatron model built ({backend} backend)")
         n_it = iters if backend == "torch" else max(2, iters // 3)
         profile = None
@@ -149,7 +149,7 @@ def _rank_run(out: Path, layers, tokens, ep, tiny, systems, warmup, iters, seed,
                          profile_path=profile, capture_counts=(name == "ours"), groups=pack_by_budget(lengths, budget),
                          barrier=dist.barrier if ep > 1 else None)
         peak = _peak_gib(device)
-        extra = {"backend": backend, "micro_batch_tokens": r["micro_batch_tokens"]}
+        extra = {"backend": backend, "recompute": recompute, "micro_batch_tokens": r["micro_batch_tokens"]}
         if hf_out is not None:
             ref = hf_out.float()
             extra["rel_diff_vs_hf_bs1"] = ((r["output"].float() - ref).norm() / ref.norm()).item()

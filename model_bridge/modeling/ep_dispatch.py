@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .permute import _CombineRows, _GatherRows
+from .permute import _CombineRows, _GatherRows, gather_rows
 
 __all__ = ["DedupExchange"]
 
@@ -98,7 +98,7 @@ class DedupExchange:
         expert_R, self.rows_n = pairs_R2[:, 0], pairs_R2[:, 1].contiguous()
         slot_R = (mask_NL.to(torch.int32).cumsum(1) - 1)[self.rows_n, expert_R]  # < kl
         self.inv_rows = _slot_table(self.rows_n, slot_R.to(torch.int64), Nr, kl)
-        rows = _GatherRows.apply(x_recv, self.rows_n, self.inv_rows, kl, True)
+        rows = gather_rows(x_recv, self.rows_n, self.inv_rows, kl, True)
         return rows, self.tokens_per_expert, probs_NL[self.rows_n, expert_R]
 
     # 4. ------------------------------------------------------------------------------------------

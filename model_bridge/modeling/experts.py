@@ -41,6 +41,7 @@ The token permutation the torch backend's dispatcher uses around these experts i
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from typing import Optional, Sequence
@@ -51,6 +52,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
 from .permute import _TRITON_ON_CPU  # the one switch for all our Triton kernels (tests only)
+from .recompute import ROWS_OF_ATTR, RecomputeSaved
 
 __all__ = ["TorchGroupedMLP", "grouped_linear", "grouped_mm_available", "expert_offsets", "weighted_glu"]
 
@@ -235,6 +237,21 @@ def _glu_bwd_triton(h: torch.Tensor, probs: Optional[torch.Tensor], grad: torch.
     return dh, dp
 
 
+def _glu_forward(h: torch.Tensor, probs: Optional[torch.Tensor]) -> torch.Tensor:
+    """The forward of :class:`_WeightedSwiGLU` without autograd (also its recomputation)."""
+    if _triton_glu_available(h):
+        return _glu_fwd_triton(h, probs)
+    n, two_f = h.shape
+    f = two_f // 2
+    out = torch.empty(n, f, dtype=h.dtype, device=h.device)
+    for s in range(0, n, _GLU_CHUNK_ROWS):
+        e = min(n, s + _GLU_CHUNK_ROWS)
+        g, u = h[s:e, :f], h[s:e, f:]
+        a = F.silu(g) * u  # same roundings as megatron's MLP glu in low precision
+        out[s:e] = a if probs is None else (a * probs[s:e].unsqueeze(-1)).to(h.dtype)
+    return out
+
+
 class _WeightedSwiGLU(torch.autograd.Function):
     """``(silu(gate) * up * probs).to(dtype)`` over ``h = [gate | up]``; saves h and probs only.
 
@@ -246,17 +263,7 @@ class _WeightedSwiGLU(torch.autograd.Function):
         h = h.contiguous()
         ctx.save_for_backward(h, probs)
         ctx.has_probs = probs is not None
-        if _triton_glu_available(h):
-            return _glu_fwd_triton(h, probs)
-        n, two_f = h.shape
-        f = two_f // 2
-        out = torch.empty(n, f, dtype=h.dtype, device=h.device)
-        for s in range(0, n, _GLU_CHUNK_ROWS):
-            e = min(n, s + _GLU_CHUNK_ROWS)
-            g, u = h[s:e, :f], h[s:e, f:]
-            a = F.silu(g) * u  # same roundings as megatron's MLP glu in low precision
-            out[s:e] = a if probs is None else (a * probs[s:e].unsqueeze(-1)).to(h.dtype)
-        return out
+        return _glu_forward(h, probs)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -350,6 +357,9 @@ class TorchGroupedMLP(MegatronModule):
         if config.perform_initialization:
             self._init_weights()
         self.register_load_state_dict_post_hook(self._drop_extra_state_keys)
+        self.recompute_activations = False
+        """Recompute the sorted input rows and the SwiGLU output in the backward instead of saving
+        them (``recompute.py``; ``build_thinker(..., recompute="experts")`` sets it)."""
         for p, dim in ((self.weight1, 1), (self.weight2, 2)):
             p.allreduce = not self.expert_parallel
             p.tensor_model_parallel = True
@@ -393,14 +403,35 @@ class TorchGroupedMLP(MegatronModule):
             tpe = tokens_per_expert
             counts = [int(v) for v in (tpe.tolist() if torch.is_tensor(tpe) else tpe)]
             offs = None
-        h = grouped_linear(x, self.weight1, offs, counts)
+        with self._recompute_rows_of(x):
+            h = grouped_linear(x, self.weight1, offs, counts)
         if self.gated:
             a = weighted_glu(h, probs, self.config.activation_func)
         else:
             a = self.config.activation_func(h)
             if probs is not None:
                 a = (a * probs.unsqueeze(-1)).to(h.dtype)
-        return grouped_linear(a, self.weight2, offs, counts), None
+        with self._recompute_glu(a, h, probs):
+            return grouped_linear(a, self.weight2, offs, counts), None
+
+    # ---- selective recomputation (recompute.py): set ``recompute_activations = True`` -----------
+
+    def _recompute_rows_of(self, x: torch.Tensor):
+        """Save the recipe ``source[rows]`` instead of the expert-sorted rows ``x`` (when the
+        dispatcher gathered them with ``permute.gather_rows``)."""
+        rows_of = getattr(x, ROWS_OF_ATTR, None) if self.recompute_activations else None
+        if rows_of is None:
+            return contextlib.nullcontext()
+        src, rows = rows_of
+        return RecomputeSaved(x, lambda: src.index_select(0, rows))
+
+    def _recompute_glu(self, a: torch.Tensor, h: torch.Tensor, probs: Optional[torch.Tensor]):
+        """Save the recipe ``swiglu(h) * probs`` instead of its output ``a`` (the SwiGLU node keeps
+        ``h`` and ``probs`` for its own backward anyway)."""
+        if not (self.recompute_activations and self.gated and self.config.activation_func is F.silu):
+            return contextlib.nullcontext()
+        h = h.contiguous()  # what _WeightedSwiGLU saved (a no-op: grouped outputs are contiguous)
+        return RecomputeSaved(a, lambda: _glu_forward(h, probs))
 
     def backward_dw(self):  # megatron's delayed-wgrad hook: nothing is delayed here
         pass

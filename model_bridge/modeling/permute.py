@@ -15,7 +15,9 @@ from typing import Optional
 
 import torch
 
-__all__ = ["gather_sum", "sort_by_expert", "unsort_combine", "topk_indices"]
+from .recompute import ROWS_OF_ATTR
+
+__all__ = ["gather_sum", "gather_rows", "sort_by_expert", "unsort_combine", "topk_indices"]
 
 _TRITON_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("MGRPO_TRITON_GLU_CPU") == "1"
 """Tests only: run the Triton kernels through Triton's interpreter on CPU tensors."""
@@ -96,6 +98,16 @@ class _GatherRows(torch.autograd.Function):
         return gather_sum(grad.contiguous(), inv, ctx.k, ctx.has_empty), None, None, None, None
 
 
+def gather_rows(x: torch.Tensor, src_rows: torch.Tensor, inv: torch.Tensor, k: int, has_empty: bool = False
+                ) -> torch.Tensor:
+    """``x[src_rows]`` with the gather-sum backward (:class:`_GatherRows`); the output carries
+    ``(x, src_rows)`` so the experts can recompute it in the backward instead of saving it
+    (``recompute.py``)."""
+    out = _GatherRows.apply(x, src_rows, inv, k, has_empty)
+    setattr(out, ROWS_OF_ATTR, (x, src_rows))
+    return out
+
+
 class _CombineRows(torch.autograd.Function):
     """``out[t] = sum_j y[inv[t * k + j]]`` (fp32 sum; ``has_empty``: -1 slots add nothing);
     backward gathers ``grad[src_rows]``."""
@@ -123,7 +135,7 @@ def sort_by_expert(tokens: torch.Tensor, topk_idx: torch.Tensor, probs: Optional
     inv = torch.empty_like(order)
     inv[order] = torch.arange(order.numel(), device=order.device)
     src_rows = torch.div(order, k, rounding_mode="floor")
-    out = _GatherRows.apply(tokens, src_rows, inv, k)
+    out = gather_rows(tokens, src_rows, inv, k)
     pprobs = None
     if probs is not None:
         pprobs = probs.gather(1, topk_idx).reshape(-1).index_select(0, order)

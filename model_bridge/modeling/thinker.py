@@ -270,17 +270,32 @@ class OmniThinker(MegatronModule):
         return max(0, min(local, self.vocab_size - rank * local))
 
 
+RECOMPUTE_CHOICES = ("none", "experts", "full")
+"""What :func:`build_thinker` recomputes in the backward instead of saving."""
+
+
 def build_thinker(spec: OmniSpec, layout: ParallelLayout, dtype: torch.dtype = torch.float32,
                   pre_process: Optional[bool] = None, post_process: Optional[bool] = None,
                   backend: str = "auto", *, dummy_audio: bool = True, mask_vocab_padding: bool = True,
-                  vp_stage: Optional[int] = None, build_audio: bool = True, **config_overrides) -> OmniThinker:
+                  vp_stage: Optional[int] = None, build_audio: bool = True, recompute: str = "none",
+                  **config_overrides) -> OmniThinker:
     """Build this rank's :class:`OmniThinker` (megatron's parallel state must be initialised with
     the same tp/ep/etp/pp as ``layout``; pre/post-process default to this rank's pipeline stage).
 
     ``config_overrides`` go to :func:`model_bridge.config.thinker_transformer_config` (e.g.
-    ``recompute_granularity``); ``backend`` picks the layer spec (see ``modeling.specs``).
+    ``moe_aux_loss_coeff``); ``backend`` picks the layer spec (see ``modeling.specs``).
+    ``recompute`` (:data:`RECOMPUTE_CHOICES`): ``"experts"`` recomputes the MoE experts' sorted
+    input rows and SwiGLU output in the backward (``modeling/recompute.py``; the torch backend's
+    experts), ``"full"`` is megatron's full recomputation of every decoder layer (granularity
+    full, method uniform, one layer per checkpoint).
     """
     from megatron.core import parallel_state as ps
+
+    if recompute not in RECOMPUTE_CHOICES:
+        raise ValueError(f"recompute={recompute!r}: choose one of {', '.join(RECOMPUTE_CHOICES)}")
+    if recompute == "full":
+        config_overrides = {"recompute_granularity": "full", "recompute_method": "uniform",
+                            "recompute_num_layers": 1, **config_overrides}
 
     if not ps.model_parallel_is_initialized():
         raise RuntimeError("megatron's parallel state is not initialised: call "
@@ -301,6 +316,8 @@ def build_thinker(spec: OmniSpec, layout: ParallelLayout, dtype: torch.dtype = t
     model = OmniThinker(spec, layout, config, pre_process=pre_process, post_process=post_process, backend=backend,
                         dummy_audio=dummy_audio, mask_vocab_padding=mask_vocab_padding, vp_stage=vp_stage,
                         build_audio=build_audio)
+    if recompute == "experts":
+        _recompute_experts(model, backend)
     if dtype != torch.float32:
         # megatron builds torch norms in fp32 whatever params_dtype says (Float16Module casts them
         # later); cast every parameter so the model runs as built. Buffers are left alone.
@@ -308,6 +325,18 @@ def build_thinker(spec: OmniSpec, layout: ParallelLayout, dtype: torch.dtype = t
             if p.is_floating_point() and p.dtype != dtype:
                 p.data = p.data.to(dtype)
     return model
+
+
+def _recompute_experts(model: torch.nn.Module, backend: str) -> None:
+    from .experts import TorchGroupedMLP
+
+    experts = [m for m in model.modules() if isinstance(m, TorchGroupedMLP)]
+    if not experts:
+        raise ValueError(f"recompute='experts' needs the torch backend's grouped experts, but backend={backend!r} "
+                         "built none: use backend='torch' (or 'auto' on a GPU without transformer-engine), "
+                         "or recompute='full'")
+    for m in experts:
+        m.recompute_activations = True
 
 
 def gather_logits(logits: torch.Tensor, vocab_size: int, group=None) -> torch.Tensor:

@@ -338,6 +338,11 @@ class _SortedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
                 and not getattr(self, "drop_and_pad", False))
 
     def token_dispatch(self, permutated_local_input_tokens, permuted_probs):
+        if self._identity_chunks():
+            # an all-to-all over one rank is the identity; skipping its autograd node keeps the very
+            # tensor the sort gathered (whose recipe the experts' recomputation reads)
+            self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_ep_alltoall", self.tokens_per_expert)
+            return permutated_local_input_tokens, permuted_probs
         if getattr(self, "_dedup", None) is None:
             return super().token_dispatch(permutated_local_input_tokens, permuted_probs)
         return self._dedup.send(permutated_local_input_tokens), self._dedup.send(permuted_probs)
@@ -360,6 +365,8 @@ class _SortedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         return hidden_states
 
     def token_combine(self, hidden_states, *args, **kwargs):
+        if self._identity_chunks():  # the return all-to-all over one rank: the identity
+            return hidden_states
         if getattr(self, "_dedup", None) is None:
             return super().token_combine(hidden_states, *args, **kwargs)
         return self._dedup.send_back(hidden_states)
