@@ -287,10 +287,20 @@ class MicroBatch:
 
     def to(self, device: Union[str, torch.device], non_blocking: bool = False) -> "MicroBatch":
         """The same micro-batch with every tensor on ``device``."""
-        mv = lambda x: x.to(device, non_blocking=non_blocking)  # noqa: E731
+        mv = lambda x: to_device(x, device, non_blocking)  # noqa: E731
         return replace(self, input_ids_T=mv(self.input_ids_T), loss_mask_T=mv(self.loss_mask_T),
                        sample_index_T=mv(self.sample_index_T), position_ids_3T=mv(self.position_ids_3T),
                        cu_seqlens_S=mv(self.cu_seqlens_S))
+
+
+def to_device(x: torch.Tensor, device: Union[str, torch.device], non_blocking: bool = False) -> torch.Tensor:
+    """``x.to(device)``; ``non_blocking`` host -> GPU copies go through pinned memory, so that the
+    host does not wait for the GPU's queue (a copy from pageable memory does)."""
+    if non_blocking:
+        from model_bridge.modeling.thd import to_device_async
+
+        return to_device_async(x, device)
+    return x.to(device)
 
 
 def _as_1d(x: TokenSeq, dtype: torch.dtype, what: str) -> torch.Tensor:

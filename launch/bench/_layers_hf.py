@@ -2,7 +2,7 @@
 weights (copied into ours), and its fwd+bwd step (``hf_bs1`` / ``hf_bs4``)."""
 from __future__ import annotations
 
-from launch.bench._layers_timing import _time_steps
+from launch.bench._layers_timing import _alloc_gib, _peak_gib, _time_steps
 
 
 def _hf_classes():
@@ -73,10 +73,11 @@ def run_hf(model, ids: list, probe, device, batch: int, warmup: int, iters: int,
     for grp in groups:
         padded += max(lens[i] for i in grp) * len(grp)
 
-    def step(keep=False):
+    def step(keep=False, trace=None):
         model.zero_grad(set_to_none=True)
         outs = {}
         for grp in groups:
+            a = _alloc_gib(device) if trace is not None else None
             L = max(lens[i] for i in grp)
             inp = torch.zeros(len(grp), L, dtype=torch.long, device=device)
             mask = torch.zeros(len(grp), L, dtype=torch.long, device=device)
@@ -87,7 +88,14 @@ def run_hf(model, ids: list, probe, device, batch: int, warmup: int, iters: int,
                 pr[j, :lens[i]] = probe[starts[i]:starts[i + 1]]
             kw = {} if len(grp) == 1 else {"attention_mask": mask}
             out = model(input_ids=inp, use_cache=False, **kw).last_hidden_state
-            (out.float() * pr).sum().backward()
+            loss = (out.float() * pr).sum()
+            if trace is not None:
+                b = _alloc_gib(device)
+                torch.cuda.reset_peak_memory_stats()
+            loss.backward()
+            if trace is not None:
+                trace.append({"tokens": sum(lens[i] for i in grp), "before_gib": a, "activations_gib": b - a,
+                              "backward_peak_over_activations_gib": _peak_gib(device) - b})
             if keep:
                 for j, i in enumerate(grp):
                     outs[i] = out[j, :lens[i]].detach()
@@ -95,5 +103,9 @@ def run_hf(model, ids: list, probe, device, batch: int, warmup: int, iters: int,
 
     first = step(keep=keep_output)
     times = _time_steps(step, device, warmup, iters)
-    return {"step_s": times, "output": torch.cat([first[i] for i in range(len(ids))]) if keep_output else None,
-            "padded_tokens": padded}
+    res = {"step_s": times, "output": torch.cat([first[i] for i in range(len(ids))]) if keep_output else None,
+           "padded_tokens": padded, "peak_gib": _peak_gib(device)}
+    if device.type == "cuda":  # after the peak was read: this resets it
+        res["memory_trace"] = []
+        step(trace=res["memory_trace"])
+    return res

@@ -2,7 +2,7 @@
 micro-batches, the fwd+bwd step (``ours``, ``ours_mb``, ``mcore_local``) and the probe losses."""
 from __future__ import annotations
 
-from launch.bench._layers_timing import _count_syncs, _profile, _time_steps
+from launch.bench._layers_timing import _alloc_gib, _count_syncs, _peak_gib, _profile, _time_steps
 
 
 OUR_SYSTEMS = {
@@ -47,8 +47,8 @@ def _rms_norm(x, w, eps: float = 1e-6):
 
 
 def _micro_batches(spec, ids: list, probe, device, groups: list[list[int]] | None = None) -> list[tuple]:
-    """``(sample indices, lengths, cu_seqlens, tokens [1, T], MRoPE positions, probe rows)`` per
-    micro-batch (``groups``: sample indices per micro-batch; default one micro-batch of all)."""
+    """``(sample indices, lengths, (host cu_seqlens, audio tokens), tokens [1, T], MRoPE positions,
+    probe row indices or None for all)`` per micro-batch (``groups``: sample indices per micro-batch; default one micro-batch of all)."""
     import torch
 
     from model_bridge.modeling.thinker import mrope_position_ids
@@ -58,22 +58,26 @@ def _micro_batches(spec, ids: list, probe, device, groups: list[list[int]] | Non
     mbs = []
     for grp in groups or [list(range(len(ids)))]:
         lens = [lens_all[i] for i in grp]
-        cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32, device=device)
+        cu = [0] + list(torch.tensor(lens).cumsum(0).tolist())  # host offsets, as a packer has them
         tokens = torch.cat([ids[i] for i in grp]).unsqueeze(0)
-        pos = mrope_position_ids(tokens, spec, cu_seqlens=cu.cpu()).unsqueeze(1).to(device)
-        pr = torch.cat([probe[starts[i]:starts[i + 1]] for i in grp])
-        mbs.append((grp, lens, cu, tokens, pos, pr))
+        pos = mrope_position_ids(tokens, spec, cu_seqlens=torch.tensor(cu)).unsqueeze(1).to(device)
+        # the micro-batch's probe rows are gathered in the step (as HF's runs build theirs), not kept
+        rows = None if grp == list(range(len(ids))) else torch.cat(
+            [torch.arange(starts[i], starts[i + 1]) for i in grp]).to(device)
+        n_audio = int((tokens == spec.audio_token_id).sum())  # counted once here, as the trainer counts on the host
+        mbs.append((grp, lens, (cu, n_audio), tokens, pos, rows))
     return mbs
 
 
 def _forward_mb(model, mb: tuple, norm_w):
-    """Final-normed hidden states ``[T, h]`` of one micro-batch from :func:`_micro_batches`."""
-    from megatron.core.packed_seq_params import PackedSeqParams
+    """Final-normed hidden states ``[T, h]`` of one micro-batch from :func:`_micro_batches`: its
+    ``PackedSeqParams`` made per step from the host offsets (``thd_params``: no host sync), as
+    the trainer's forward step does."""
+    from model_bridge.modeling.thd import thd_params
 
-    _, lens, cu, tokens, pos, _ = mb
-    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lens),
-                          max_seqlen_kv=max(lens))
-    hidden = model(tokens, pos, psp)  # [T, 1, h]
+    _, lens, (cu, n_audio), tokens, pos, _ = mb
+    psp = thd_params(cu, tokens.device, max(lens))
+    hidden = model(tokens, pos, psp, audio_token_count=n_audio)  # [T, 1, h]
     return _rms_norm(hidden[:, 0], norm_w)
 
 
@@ -86,7 +90,7 @@ def probe_losses(model, spec, ids: list, probe, norm_w, device) -> dict:
     (mb,) = _micro_batches(spec, ids, probe, device)
     with torch.no_grad():
         out = _forward_mb(model, mb, norm_w).float()
-        lo = out * mb[5].float()
+        lo = out * probe.float()
         return {"loss": lo.sum().item(), "loss_scale": lo.abs().sum().item(), "sumsq": out.pow(2).sum().item()}
 
 
@@ -112,13 +116,23 @@ def run_ours(model, spec, ids: list, probe, norm_w, device, warmup: int, iters: 
             if isinstance(m, TorchGroupedMLP):
                 hooks.append(m.register_forward_pre_hook(hook))
 
-    def step(keep=False):
+    def step(keep=False, trace=None):
         model.zero_grad(set_to_none=True)
         norm_w.grad = None
         outs = {}
-        for grp, lens, cu, tokens, pos, pr in mbs:
-            out = _forward_mb(model, (grp, lens, cu, tokens, pos, pr), norm_w)
-            (out.float() * pr).sum().backward()
+        for mb in mbs:
+            grp, lens, rows = mb[0], mb[1], mb[5]
+            a = _alloc_gib(device) if trace is not None else None
+            out = _forward_mb(model, mb, norm_w)
+            pr = probe if rows is None else probe.index_select(0, rows)
+            loss = (out.float() * pr).sum()
+            if trace is not None:
+                b = _alloc_gib(device)
+                torch.cuda.reset_peak_memory_stats()
+            loss.backward()
+            if trace is not None:
+                trace.append({"tokens": sum(lens), "before_gib": a, "activations_gib": b - a,
+                              "backward_peak_over_activations_gib": _peak_gib(device) - b})
             if keep:
                 off = 0
                 for i, n in zip(grp, lens):
@@ -131,9 +145,13 @@ def run_ours(model, spec, ids: list, probe, norm_w, device, warmup: int, iters: 
         h.remove()
     if barrier is not None:
         barrier()
-    times = _time_steps(step, device, warmup, iters)
-    res = {"step_s": times, "output": first, "expert_counts": counts,
-           "micro_batch_tokens": [sum(m[1]) for m in mbs]}
+    host = []
+    times = _time_steps(step, device, warmup, iters, host_s=host)
+    res = {"step_s": times, "host_issue_s": host, "output": first, "expert_counts": counts,
+           "micro_batch_tokens": [sum(m[1]) for m in mbs], "peak_gib": _peak_gib(device)}
+    if device.type == "cuda":  # after the peak was read: this resets it
+        res["memory_trace"] = []
+        step(trace=res["memory_trace"])
     if profile_path is not None and device.type == "cuda":
         res["profile"] = _profile(step, profile_path)
         res["host_syncs"] = _count_syncs(step)

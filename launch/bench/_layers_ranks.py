@@ -13,7 +13,7 @@ from launch.bench._layers_geometry import (_DTYPES, _base_lengths, geometry, mak
 from launch.bench._layers_hf import build_hf, hf_state_as_checkpoint, run_hf
 from launch.bench._layers_ours import OUR_SYSTEMS, build_megatron, probe_losses, run_ours
 from launch.bench._layers_report import _ratios
-from launch.bench._layers_timing import _env, _mem_reset, _peak_gib
+from launch.bench._layers_timing import _env, _mem_reset
 
 
 def _summary(name: str, step_s: list[float], tokens: int, flops: int, peak, extra=None) -> dict:
@@ -125,8 +125,9 @@ def _rank_run(out: Path, layers, tokens, ep, tiny, systems, warmup, iters, seed,
                 r = run_hf(hf, ids, probe, device, bs, warmup, iters, keep_output=(bs == 1))
             if bs == 1:
                 hf_out = r["output"]
-            res["systems"][name] = _summary(name, r["step_s"], T, fl["total_fwd_bwd"], _peak_gib(device),
-                                            {"padded_tokens": r["padded_tokens"], **impl})
+            res["systems"][name] = _summary(name, r["step_s"], T, fl["total_fwd_bwd"], r["peak_gib"],
+                                            {"padded_tokens": r["padded_tokens"], "memory_trace": r.get("memory_trace"),
+                                             **impl})
             s = res["systems"][name]
             log(f"{name}: {s['tok_per_s']:.0f} tok/s, {s['useful_tflops']:.1f} TFLOP/s, peak {s['peak_mem_gib']}")
     del hf
@@ -143,19 +144,24 @@ def _rank_run(out: Path, layers, tokens, ep, tiny, systems, warmup, iters, seed,
         profile = None
         if name == "ours":
             profile = out / (f"bench_layers_ep{ep}_profile_rank{rank}.txt" if ep > 1 else "bench_layers_profile.txt")
+        elif name == "ours_mb":
+            profile = out / "bench_layers_profile_ours_mb.txt"
         with armed(f"{name}: first step, {warmup} warm-up and {n_it} timed fwd+bwd steps"
                    + (", profile" if profile is not None and device.type == "cuda" else "")):
             r = run_ours(model, spec, ids, probe, norm_w, device, warmup if backend == "torch" else 1, n_it,
                          profile_path=profile, capture_counts=(name == "ours"), groups=pack_by_budget(lengths, budget),
                          barrier=dist.barrier if ep > 1 else None)
-        peak = _peak_gib(device)
-        extra = {"backend": backend, "recompute": recompute, "micro_batch_tokens": r["micro_batch_tokens"]}
+        peak = r["peak_gib"]
+        extra = {"backend": backend, "recompute": recompute, "micro_batch_tokens": r["micro_batch_tokens"],
+                 "memory_trace": r.get("memory_trace"),
+                 "host_issue_s_median": statistics.median(r["host_issue_s"])}
         if hf_out is not None:
             ref = hf_out.float()
             extra["rel_diff_vs_hf_bs1"] = ((r["output"].float() - ref).norm() / ref.norm()).item()
+        if r.get("host_syncs") is not None:
+            extra["host_syncs_per_step"] = r["host_syncs"]
         if name == "ours":
             counts = r["expert_counts"]
-            extra["host_syncs_per_step"] = r.get("host_syncs")
             extra["expert_tokens_per_layer_min_max"] = [[min(c), max(c)] for c in counts]
             if ep > 1:
                 extra["local_experts"] = g["experts"] // ep
@@ -169,7 +175,8 @@ def _rank_run(out: Path, layers, tokens, ep, tiny, systems, warmup, iters, seed,
         res["systems"][name] = _summary(name, r["step_s"], T, fl["total_fwd_bwd"], peak, extra)
         s = res["systems"][name]
         log(f"{name}: {s['tok_per_s']:.0f} tok/s, {s['useful_tflops']:.1f} TFLOP/s, step "
-            f"{s['step_s_median'] * 1e3:.1f} ms, peak {peak} GiB, micro-batches {r['micro_batch_tokens']}, "
+            f"{s['step_s_median'] * 1e3:.1f} ms (host done issuing after {extra['host_issue_s_median'] * 1e3:.1f} ms), "
+            f"peak {peak} GiB, micro-batches {r['micro_batch_tokens']}, "
             f"rel diff vs HF {extra.get('rel_diff_vs_hf_bs1')}"
             + (f", host syncs/step {extra['host_syncs_per_step']['total']}" if extra.get("host_syncs_per_step") else ""))
         del model, r

@@ -10,12 +10,17 @@ from pathlib import Path
 
 
 class _Timer:
+    """Device time of the block (CUDA events, or wall time on CPU) in ``s``, and in ``host_s`` the
+    wall time until the block returned on the host (all its kernels issued): ``host_s`` close to
+    ``s`` means the host, not the GPU, sets the pace."""
+
     def __init__(self, device):
         self.cuda = device.type == "cuda"
 
     def __enter__(self):
         import torch
 
+        self.h0 = time.perf_counter()
         if self.cuda:
             self.a, self.b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             self.a.record()
@@ -26,6 +31,7 @@ class _Timer:
     def __exit__(self, *exc):
         import torch
 
+        self.host_s = time.perf_counter() - self.h0
         if self.cuda:
             self.b.record()
             torch.cuda.synchronize()
@@ -34,7 +40,8 @@ class _Timer:
             self.s = time.perf_counter() - self.t0
 
 
-def _time_steps(step, device, warmup: int, iters: int) -> list[float]:
+def _time_steps(step, device, warmup: int, iters: int, host_s: list | None = None) -> list[float]:
+    """Step times (s); ``host_s`` (a list) also gets each step's host issue time (:class:`_Timer`)."""
     for _ in range(warmup):
         step()
     out = []
@@ -42,6 +49,8 @@ def _time_steps(step, device, warmup: int, iters: int) -> list[float]:
         with _Timer(device) as t:
             step()
         out.append(t.s)
+        if host_s is not None:
+            host_s.append(t.host_s)
     return out
 
 
@@ -59,6 +68,12 @@ def _peak_gib(device) -> float | None:
     import torch
 
     return torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
+
+
+def _alloc_gib(device) -> float | None:
+    import torch
+
+    return torch.cuda.memory_allocated() / 2**30 if device.type == "cuda" else None
 
 
 def _bench_fn(fn, device, warmup=3, iters=10) -> float:
@@ -96,7 +111,11 @@ def _profile(step, path) -> str:
         table = ka.table(sort_by="device_time_total", row_limit=45, max_name_column_width=70)
     except Exception:  # noqa: BLE001 - older torch: the CUDA column's old name
         table = ka.table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=70)
-    Path(path).write_text(table + "\n")
+    try:  # where the host's time goes (what bounds small micro-batches)
+        cpu = ka.table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70)
+    except Exception:  # noqa: BLE001
+        cpu = ""
+    Path(path).write_text(table + "\n\nBy host (self CPU) time:\n" + cpu + "\n")
     return table
 
 

@@ -27,7 +27,8 @@ from typing import Callable, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from megatron_grpo.packing import MicroBatch, PackingConfig, PackPlan, build_rank_microbatches, pack_per_token
+from megatron_grpo.packing import (MicroBatch, PackingConfig, PackPlan, build_rank_microbatches, pack_per_token,
+                                   to_device)
 
 __all__ = ["TrainMicroBatch", "Featurizer", "build_train_microbatches", "featurizer_from_extractor",
            "padding_summary"]
@@ -113,14 +114,26 @@ class TrainMicroBatch:
         """int64 [3, 1, T] MRoPE positions (restarting per segment), the thinker's input layout."""
         return self.mb.position_ids_3T.unsqueeze(1)
 
-    def packed_seq_params(self):
+    def packed_seq_params(self, device: Union[str, torch.device, None] = None):
         """megatron ``PackedSeqParams(qkv_format="thd")`` over ``cu_seqlens_S`` (padding is its own
-        trailing segment, so ``cu_seqlens_S[-1] == T`` and no ``*_padded`` offsets are needed)."""
+        trailing segment, so ``cu_seqlens_S[-1] == T`` and no ``*_padded`` offsets are needed).
+
+        From a host micro-batch, with ``device``: the offsets go to ``device`` without a host sync and
+        their host copy rides along, so the model plans the pass without reading the device
+        (``model_bridge/modeling/thd.py``)."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
         cu = self.mb.cu_seqlens_S
+        if device is not None and cu.device.type == "cpu":
+            from model_bridge.modeling.thd import thd_params
+
+            return thd_params(cu.tolist(), device, self.mb.max_seqlen)
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                max_seqlen_q=self.mb.max_seqlen, max_seqlen_kv=self.mb.max_seqlen)
+
+    def count_tokens(self, token_id: int) -> int:
+        """How many of the micro-batch's tokens are ``token_id`` (read on the host for a host batch)."""
+        return int((self.mb.input_ids_T == token_id).sum())
 
     def with_logprobs(self, old_logprobs_T: Optional[torch.Tensor] = None,
                       ref_logprobs_T: Optional[torch.Tensor] = None) -> "TrainMicroBatch":
@@ -134,7 +147,7 @@ class TrainMicroBatch:
 
     def to(self, device: Union[str, torch.device], non_blocking: bool = False) -> "TrainMicroBatch":
         """The same micro-batch with every tensor on ``device``."""
-        mv = lambda x: None if x is None else x.to(device, non_blocking=non_blocking)  # noqa: E731
+        mv = lambda x: None if x is None else to_device(x, device, non_blocking)  # noqa: E731
         return replace(self, mb=self.mb.to(device, non_blocking=non_blocking),
                        rollout_logprobs_T=mv(self.rollout_logprobs_T), advantages_T=mv(self.advantages_T),
                        audio_features=mv(self.audio_features), audio_feature_lens=mv(self.audio_feature_lens),

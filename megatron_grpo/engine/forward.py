@@ -64,8 +64,13 @@ def _forward_step(use_fp16_wrapper: bool, fused: bool, loss_for: Callable, data_
     tmb: TrainMicroBatch = next(data_iterator)
     dev = model_device()
     t = tmb.to(dev, non_blocking=True)
-    kw = dict(packed_seq_params=t.packed_seq_params(), audio_features=t.audio_features,
+    # built from the host batch: no host sync in the forward, so the host can queue this micro-batch
+    # while the GPU still works on the previous one (thd.py)
+    thinker = _unwrap(model)
+    kw = dict(packed_seq_params=tmb.packed_seq_params(dev), audio_features=t.audio_features,
               audio_feature_lens=t.audio_feature_lens)
+    if getattr(thinker, "pre_process", False) and hasattr(thinker, "spec"):
+        kw["audio_token_count"] = tmb.count_tokens(thinker.spec.audio_token_id)
     if use_fp16_wrapper:
         kw["fp32_output"] = False
     if fused:

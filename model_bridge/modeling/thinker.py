@@ -35,6 +35,8 @@ from model_bridge.config import OmniSpec, ParallelLayout, check_layout, padded_v
 from .mrope import InterleavedMRoPE, mrope_position_ids
 from .specs import thinker_layer_spec
 
+from .thd import attach_host_offsets, host_offsets, to_device_async
+
 __all__ = ["OmniThinker", "build_thinker", "gather_logits", "mrope_position_ids", "VOCAB_PAD_LOGIT"]
 
 VOCAB_PAD_LOGIT = -1.0e4
@@ -56,19 +58,27 @@ def _normalize_packed(psp, T: int):
     cu = psp.cu_seqlens_q
     if cu is None:
         raise ValueError("PackedSeqParams(qkv_format='thd') needs cu_seqlens_q")
+    host = host_offsets(psp)  # the packer's host copy: no device read (thd.py)
     layout = psp.cu_seqlens_q_padded if psp.cu_seqlens_q_padded is not None else cu
-    end = int(layout[-1])
+    end = (host[1] or host[0])[-1] if host is not None else int(layout[-1])
     if end > T:
         raise ValueError(f"packed cu_seqlens end at {end} but the micro-batch has only {T} tokens")
     if end == T:
         return psp
-    padded = layout.clone()
-    padded[-1] = T
+    if host is not None:  # from the host copy: writing a host int into a device tensor syncs
+        padded_host = (host[1] or host[0])[:-1] + (T,)
+        padded = to_device_async(torch.tensor(padded_host, dtype=layout.dtype), layout.device)
+    else:
+        padded = layout.clone()
+        padded[-1] = T
     kv_layout = psp.cu_seqlens_kv_padded if psp.cu_seqlens_kv_padded is not None else psp.cu_seqlens_kv
     kv_padded = padded if kv_layout is None or kv_layout is layout or torch.equal(kv_layout, layout) else None
     if kv_padded is None:
         raise NotImplementedError("different q and kv packing is not supported (self-attention only)")
-    return dataclasses.replace(psp, cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=kv_padded)
+    out = dataclasses.replace(psp, cu_seqlens_q_padded=padded, cu_seqlens_kv_padded=kv_padded)
+    if host is not None:
+        attach_host_offsets(out, host[0], padded_host)
+    return out
 
 
 class OmniThinker(MegatronModule):
@@ -143,11 +153,13 @@ class OmniThinker(MegatronModule):
     # ---- forward -----------------------------------------------------------------------------
 
     def embed(self, input_ids: torch.Tensor, audio_features: Optional[torch.Tensor] = None,
-              audio_feature_lens: Optional[torch.Tensor] = None) -> torch.Tensor:
+              audio_feature_lens: Optional[torch.Tensor] = None, audio_token_count: Optional[int] = None
+              ) -> torch.Tensor:
         """Decoder input [s(/tp with SP), b, h]: token embeddings with the audio rows replaced.
 
         First pipeline stage only. Raises ValueError when the number of ``audio_token_id`` tokens
-        differs from the number of audio embeddings the clips give.
+        differs from the number of audio embeddings the clips give. ``audio_token_count``: that
+        number as the caller counted it on the host (saves a device sync; it must be right).
         """
         if not self.pre_process:
             raise RuntimeError("embed() runs on the first pipeline stage only")
@@ -156,7 +168,8 @@ class OmniThinker(MegatronModule):
         lm = self.language_model
         emb = lm.embedding(input_ids=input_ids, position_ids=None)  # [s(/tp), b, h]
         is_audio = input_ids == self.spec.audio_token_id  # [b, s]
-        n_tokens = int(is_audio.sum())
+        # a device read (host sync) unless the caller counted them on the host
+        n_tokens = int(is_audio.sum()) if audio_token_count is None else int(audio_token_count)
         if audio_features is not None:
             if self.audio_tower is None:
                 raise RuntimeError("audio_features given but this thinker was built without an audio tower")
@@ -189,7 +202,8 @@ class OmniThinker(MegatronModule):
 
     def forward(self, input_ids: Optional[torch.Tensor], position_ids: torch.Tensor, packed_seq_params=None,
                 audio_features: Optional[torch.Tensor] = None, audio_feature_lens: Optional[torch.Tensor] = None,
-                attention_mask: Optional[torch.Tensor] = None, return_hidden: bool = False) -> torch.Tensor:
+                attention_mask: Optional[torch.Tensor] = None, return_hidden: bool = False,
+                audio_token_count: Optional[int] = None) -> torch.Tensor:
         if position_ids.dim() == 2:  # [3, T] -> [3, 1, T]
             position_ids = position_ids.unsqueeze(1)
         if position_ids.dim() != 3 or position_ids.shape[0] != 3:
@@ -209,7 +223,7 @@ class OmniThinker(MegatronModule):
         if self.pre_process:
             if input_ids is None:
                 raise ValueError("the first pipeline stage needs input_ids")
-            decoder_input = self.embed(input_ids, audio_features, audio_feature_lens)
+            decoder_input = self.embed(input_ids, audio_features, audio_feature_lens, audio_token_count)
         lm = self.language_model
         hidden_only = return_hidden and self.post_process
         if hidden_only:

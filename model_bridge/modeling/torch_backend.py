@@ -51,9 +51,10 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispa
 
 from .attention import PackedCoreAttention, packed_segments, varlen_kwargs
 from .ep_dispatch import DedupExchange
-from .experts import TorchGroupedMLP
+from .experts import TorchGroupedMLP, grouped_mm_available
 from .permute import sort_by_expert, topk_indices, unsort_combine
 from .specs import _check_config, local_block_spec, register_backend
+from .thd import host_offsets, to_device_async
 
 __all__ = ["torch_block_spec", "TorchCoreAttention", "TorchSelfAttention", "TorchMoELayer", "VarlenPlan",
            "varlen_plan", "TorchGroupedMLP"]
@@ -89,10 +90,12 @@ def varlen_plan(psp, T: int, device: torch.device) -> VarlenPlan:
     if plan is not None and plan.T == T and plan.device == device and plan.src == src:
         return plan
     cu_q, cu_kv = psp.cu_seqlens_q, psp.cu_seqlens_kv
-    if cu_kv is not None and cu_kv is not cu_q and not torch.equal(torch.as_tensor(cu_q).cpu(),
-                                                                      torch.as_tensor(cu_kv).cpu()):
+    host = host_offsets(psp)  # the packer's host copy (thd.py): then no device read here
+    if host is None and cu_kv is not None and cu_kv is not cu_q and not torch.equal(
+            torch.as_tensor(cu_q).cpu(), torch.as_tensor(cu_kv).cpu()):
         raise NotImplementedError("TorchCoreAttention needs cu_seqlens_q == cu_seqlens_kv (self-attention)")
-    segs = packed_segments(cu_q, getattr(psp, "cu_seqlens_q_padded", None))
+    segs = (packed_segments(*host) if host is not None
+            else packed_segments(cu_q, getattr(psp, "cu_seqlens_q_padded", None)))
     if segs and segs[-1][0] + segs[-1][1] > T:
         raise ValueError(f"packed samples end at {segs[-1][0] + segs[-1][1]} but the buffer holds {T} tokens")
     lens = [n for _, n in segs]
@@ -104,9 +107,9 @@ def varlen_plan(psp, T: int, device: torch.device) -> VarlenPlan:
     max_len = int(given) if given is not None else max(lens, default=0)
     idx = None
     if not contiguous:
-        idx = torch.cat([torch.arange(s, s + n) for s, n in segs]).to(device)
-    plan = VarlenPlan(T=T, device=device, cu=torch.tensor(cu, dtype=torch.int32).to(device), max_len=max_len,
-                      n_real=cu[-1], idx=idx, src=src)
+        idx = to_device_async(torch.cat([torch.arange(s, s + n) for s, n in segs]), device)
+    plan = VarlenPlan(T=T, device=device, cu=to_device_async(torch.tensor(cu, dtype=torch.int32), device),
+                      max_len=max_len, n_real=cu[-1], idx=idx, src=src)
     try:
         psp._mgrpo_varlen_plan = plan
     except (AttributeError, TypeError):  # a frozen/slotted PackedSeqParams: recompute next time
@@ -323,7 +326,12 @@ class _SortedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self.routing_map = routing_map
         hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
         self.tokens_per_expert = self.preprocess(routing_map)
-        self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_permutation_1", self.tokens_per_expert)
+        # one rank and grouped GEMM: the counts stay on the device (the experts' offsets are a
+        # device cumsum), so the MoE layer makes no host sync; megatron reads them to the host
+        self._device_counts = (self.ep_size * self.tp_size == 1 and not getattr(self, "drop_and_pad", False)
+                               and grouped_mm_available(hidden_states.device, hidden_states.dtype))
+        if not self._device_counts:
+            self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_permutation_1", self.tokens_per_expert)
         self.hidden_shape_before_permute = hidden_states.shape
         idx = topk_indices(routing_map, self.config.moe_router_topk)
         tokens, pprobs, plan = sort_by_expert(hidden_states, idx, probs)
@@ -341,7 +349,8 @@ class _SortedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         if self._identity_chunks():
             # an all-to-all over one rank is the identity; skipping its autograd node keeps the very
             # tensor the sort gathered (whose recipe the experts' recomputation reads)
-            self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_ep_alltoall", self.tokens_per_expert)
+            if not self._device_counts:
+                self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_ep_alltoall", self.tokens_per_expert)
             return permutated_local_input_tokens, permuted_probs
         if getattr(self, "_dedup", None) is None:
             return super().token_dispatch(permutated_local_input_tokens, permuted_probs)
@@ -352,8 +361,10 @@ class _SortedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
             return self._dedup.expand(global_input_tokens, global_probs)
         if not self._identity_chunks():
             return super().dispatch_postprocess(global_input_tokens, global_probs)
-        self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_permutation_2", self.tokens_per_expert)
-        tokens_per_expert = self._maybe_dtoh_and_synchronize("before_finish", self.tokens_per_expert)
+        tokens_per_expert = self.tokens_per_expert
+        if not self._device_counts:
+            tokens_per_expert = self._maybe_dtoh_and_synchronize("before_permutation_2", tokens_per_expert)
+            tokens_per_expert = self._maybe_dtoh_and_synchronize("before_finish", tokens_per_expert)
         self.tokens_per_expert = None
         return global_input_tokens, tokens_per_expert, global_probs
 

@@ -1,0 +1,65 @@
+"""Packed (THD) micro-batch parameters that carry their host-side offsets.
+
+megatron's ``PackedSeqParams`` holds ``cu_seqlens`` as device tensors. Planning a packed forward
+(where the samples lie, the varlen kernel's offsets, the trailing padding) needs them as Python
+ints, and reading a device tensor on the host is a device sync: the host waits until the GPU has
+finished everything queued, so it cannot queue the next micro-batch while the GPU works on this
+one. Whoever packs the micro-batch already has the offsets on the host: :func:`thd_params`
+builds the ``PackedSeqParams`` with a copy of them attached (and copies the device tensor with a
+pinned, non-blocking copy, which does not sync either); the model reads :func:`host_offsets`
+instead of the device tensor. ``PackedSeqParams`` built elsewhere still work (with the sync).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+__all__ = ["thd_params", "host_offsets", "attach_host_offsets", "to_device_async"]
+
+_ATTR = "_mgrpo_host_offsets"
+
+
+def to_device_async(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``t`` on ``device`` without a host sync: a pinned host copy, then a non-blocking copy (a
+    copy from pageable memory waits for the whole stream). CPU targets get ``t`` as is."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def attach_host_offsets(psp, cu: Sequence[int], cu_padded: Optional[Sequence[int]] = None):
+    """Record the host copy of ``psp``'s q (= kv) offsets on it; returns ``psp``."""
+    try:
+        setattr(psp, _ATTR, (tuple(int(x) for x in cu), None if cu_padded is None else tuple(int(x) for x in cu_padded)))
+    except (AttributeError, TypeError):  # a frozen/slotted PackedSeqParams: the model reads the device tensor
+        pass
+    return psp
+
+
+def host_offsets(psp) -> Optional[tuple[tuple[int, ...], Optional[tuple[int, ...]]]]:
+    """``(cu_seqlens, cu_seqlens_padded or None)`` as host ints when the packer attached them and
+    the tensors are still the ones it made (self-attention: kv offsets are the q offsets)."""
+    host = getattr(psp, _ATTR, None)
+    if host is None or psp.cu_seqlens_kv is not psp.cu_seqlens_q:
+        return None
+    if (host[1] is None) != (getattr(psp, "cu_seqlens_q_padded", None) is None):
+        return None
+    return host
+
+
+def thd_params(cu_seqlens: Sequence[int], device: torch.device | str, max_seqlen: Optional[int] = None):
+    """megatron ``PackedSeqParams(qkv_format="thd")`` for samples at host offsets ``cu_seqlens``
+    (``[S+1]`` ints from 0), its int32 offsets on ``device`` (no host sync), the host copy attached."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = [int(x) for x in cu_seqlens]
+    if not cu or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0, got {cu}")
+    if max_seqlen is None:
+        max_seqlen = max((b - a for a, b in zip(cu, cu[1:])), default=0)
+    cu_dev = to_device_async(torch.tensor(cu, dtype=torch.int32), device)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_dev, cu_seqlens_kv=cu_dev, max_seqlen_q=max_seqlen,
+                          max_seqlen_kv=max_seqlen)
+    return attach_host_offsets(psp, cu)
