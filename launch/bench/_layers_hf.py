@@ -2,7 +2,7 @@
 weights (copied into ours), and its fwd+bwd step (``hf_bs1`` / ``hf_bs4``)."""
 from __future__ import annotations
 
-from launch.bench._layers_timing import _alloc_gib, _peak_gib, _time_steps
+from launch.bench._layers_timing import _alloc_gib, _backward, _peak_gib, _time_steps
 
 
 def _hf_classes():
@@ -89,13 +89,7 @@ def run_hf(model, ids: list, probe, device, batch: int, warmup: int, iters: int,
             kw = {} if len(grp) == 1 else {"attention_mask": mask}
             out = model(input_ids=inp, use_cache=False, **kw).last_hidden_state
             loss = (out.float() * pr).sum()
-            if trace is not None:
-                b = _alloc_gib(device)
-                torch.cuda.reset_peak_memory_stats()
-            loss.backward()
-            if trace is not None:
-                trace.append({"tokens": sum(lens[i] for i in grp), "before_gib": a, "activations_gib": b - a,
-                              "backward_peak_over_activations_gib": _peak_gib(device) - b})
+            _backward(loss, device, trace, sum(lens[i] for i in grp), a)
             if keep:
                 for j, i in enumerate(grp):
                     outs[i] = out[j, :lens[i]].detach()

@@ -2,7 +2,7 @@
 micro-batches, the fwd+bwd step (``ours``, ``ours_mb``, ``mcore_local``) and the probe losses."""
 from __future__ import annotations
 
-from launch.bench._layers_timing import _alloc_gib, _count_syncs, _peak_gib, _profile, _time_steps
+from launch.bench._layers_timing import _alloc_gib, _backward, _count_syncs, _peak_gib, _profile, _time_steps
 
 
 OUR_SYSTEMS = {
@@ -126,13 +126,7 @@ def run_ours(model, spec, ids: list, probe, norm_w, device, warmup: int, iters: 
             out = _forward_mb(model, mb, norm_w)
             pr = probe if rows is None else probe.index_select(0, rows)
             loss = (out.float() * pr).sum()
-            if trace is not None:
-                b = _alloc_gib(device)
-                torch.cuda.reset_peak_memory_stats()
-            loss.backward()
-            if trace is not None:
-                trace.append({"tokens": sum(lens), "before_gib": a, "activations_gib": b - a,
-                              "backward_peak_over_activations_gib": _peak_gib(device) - b})
+            _backward(loss, device, trace, sum(lens), a)
             if keep:
                 off = 0
                 for i, n in zip(grp, lens):

@@ -76,6 +76,22 @@ def _alloc_gib(device) -> float | None:
     return torch.cuda.memory_allocated() / 2**30 if device.type == "cuda" else None
 
 
+def _backward(loss, device, trace: list | None, tokens: int, before_gib: float | None) -> None:
+    """``loss.backward()``; with a ``trace`` list (CUDA) also record this micro-batch's memory:
+    allocated before its forward (``before_gib``), its activations (allocated now minus that) and
+    the backward's peak above the activations (resets the peak counter)."""
+    import torch
+
+    if trace is None:
+        loss.backward()
+        return
+    b = _alloc_gib(device)
+    torch.cuda.reset_peak_memory_stats()
+    loss.backward()
+    trace.append({"tokens": tokens, "before_gib": before_gib, "activations_gib": b - before_gib,
+                  "backward_peak_over_activations_gib": _peak_gib(device) - b})
+
+
 def _bench_fn(fn, device, warmup=3, iters=10) -> float:
     return statistics.median(_time_steps(fn, device, warmup, iters))
 
