@@ -68,7 +68,7 @@ def _forward_step(use_fp16_wrapper: bool, fused: bool, loss_for: Callable, data_
     # while the GPU still works on the previous one (thd.py)
     thinker = _unwrap(model)
     kw = dict(packed_seq_params=tmb.packed_seq_params(dev), audio_features=t.audio_features,
-              audio_feature_lens=t.audio_feature_lens)
+              audio_feature_lens=tmb.audio_feature_lens)  # host lens: the audio tower plans on the host
     if getattr(thinker, "pre_process", False) and hasattr(thinker, "spec"):
         kw["audio_token_count"] = tmb.count_tokens(thinker.spec.audio_token_id)
     if use_fp16_wrapper:

@@ -42,11 +42,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 
 from model_bridge.config import (ConfigError, OmniSpec, ParallelLayout, audio_is_tensor_parallel,
                                  audio_transformer_config)
+
+from .thd import thd_params, to_device_async
 
 __all__ = ["AudioTower", "audio_output_lengths", "audio_chunk_lengths", "audio_window_cu_seqlens",
            "dummy_audio_input", "audio_layer_spec", "sinusoid_positions"]
@@ -311,12 +312,12 @@ class AudioTower(MegatronModule):
 
         chunk_tokens = audio_output_lengths(chunk_lens, a.n_window)
         valid = (torch.arange(x.shape[1]) < chunk_tokens[:, None]).flatten().nonzero().squeeze(-1)
-        h = x.reshape(-1, x.shape[-1]).index_select(0, valid.to(device))  # [T, D]
+        h = x.reshape(-1, x.shape[-1]).index_select(0, to_device_async(valid, device))  # [T, D]
 
         cu, max_len = audio_window_cu_seqlens(lens, a.n_window, a.n_window_infer)
-        cu = cu.to(device)
-        psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                              max_seqlen_q=max_len, max_seqlen_kv=max_len)
+        # host offsets ride along and copies are pinned: with host feature_lens (as the trainer
+        # passes them) the tower plans its windows without reading the device (thd.py)
+        psp = thd_params(cu.tolist(), device, max_len)
         h = self.encoder(h.unsqueeze(1), attention_mask=None, packed_seq_params=psp)  # [T, 1, D]
         h = h.squeeze(1)
         h = self.ln_post(h)

@@ -196,7 +196,8 @@ class OmniThinker(MegatronModule):
         elif self.dummy_audio and self.audio_tower is not None:
             from .audio import dummy_audio_input
 
-            feats, lens = dummy_audio_input(self.spec, dtype=emb.dtype, device=emb.device)
+            feats, _ = dummy_audio_input(self.spec, dtype=emb.dtype, device=emb.device)
+            lens = torch.ones(1, dtype=torch.long)  # on the host: the tower reads it there (no sync)
             emb = emb + 0.0 * self.audio_tower(feats, lens).sum().to(emb.dtype)
         return emb
 
