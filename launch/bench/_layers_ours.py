@@ -2,19 +2,40 @@
 micro-batches, the fwd+bwd step (``ours``, ``ours_mb``, ``mcore_local``) and the probe losses."""
 from __future__ import annotations
 
+import contextlib
+import os
+
 from launch.bench._layers_timing import _alloc_gib, _backward, _count_syncs, _peak_gib, _profile, _time_steps
 
 
 OUR_SYSTEMS = {
-    "ours": ("torch", False, "none"),
-    "ours_rc": ("torch", False, "experts"),
-    "ours_mb": ("torch", True, "none"),
-    "ours_mb_rc": ("torch", True, "experts"),
-    "ours_full_rc": ("torch", False, "full"),
-    "mcore_local": ("local", False, "none"),
+    "ours": ("torch", False, "none", False),
+    "ours_rc": ("torch", False, "experts", False),
+    "ours_mb": ("torch", True, "none", False),
+    "ours_mb_rc": ("torch", True, "experts", False),
+    "ours_full_rc": ("torch", False, "full", False),
+    "ours_qknr": ("torch", False, "none", True),
+    "ours_mb_qknr": ("torch", True, "none", True),
+    "mcore_local": ("local", False, "none", False),
 }
 """Megatron systems of the bench: name -> (layer-spec backend, micro-batches of ``--mb-tokens``
-(else the whole batch in one), ``build_thinker``'s ``recompute``)."""
+(else the whole batch in one), ``build_thinker``'s ``recompute``, q/k RMSNorm fused into the RoPE
+kernel: ``MGRPO_TRITON_QK_NORM_ROPE=1`` while the system runs, model/rope.py)."""
+
+
+@contextlib.contextmanager
+def qk_norm_rope_env(on: bool):
+    """``MGRPO_TRITON_QK_NORM_ROPE`` set to ``on`` for one system's run (read at every forward)."""
+    key = "MGRPO_TRITON_QK_NORM_ROPE"
+    prev = os.environ.get(key)
+    os.environ[key] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if prev is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = prev
 
 
 def build_megatron(spec, ep: int, backend: str, dtype, device, tensors: dict, recompute: str = "none"):

@@ -11,7 +11,7 @@ from launch.bench._layers_ceiling import kernel_ceiling
 from launch.bench._layers_geometry import (_DTYPES, _base_lengths, geometry, make_batch, omni_config, pack_by_budget,
                                            rank_lengths, useful_flops)
 from launch.bench._layers_hf import build_hf, hf_state_as_checkpoint, run_hf
-from launch.bench._layers_ours import OUR_SYSTEMS, build_megatron, probe_losses, run_ours
+from launch.bench._layers_ours import OUR_SYSTEMS, build_megatron, probe_losses, qk_norm_rope_env, run_ours
 from launch.bench._layers_report import _ratios
 from launch.bench._layers_timing import _env, _mem_reset
 
@@ -133,7 +133,7 @@ def _rank_run(out: Path, layers, tokens, ep, tiny, systems, warmup, iters, seed,
             del r  # its GPU output must not count in the next system's peak
     del hf
     counts = None
-    for name, (backend, mb, recompute) in OUR_SYSTEMS.items():
+    for name, (backend, mb, recompute, qk_norm_rope) in OUR_SYSTEMS.items():
         if name not in systems or (ep > 1 and name != "ours"):
             continue
         budget = mb_tokens if mb else None
@@ -148,12 +148,14 @@ def _rank_run(out: Path, layers, tokens, ep, tiny, systems, warmup, iters, seed,
         elif name == "ours_mb":
             profile = out / "bench_layers_profile_ours_mb.txt"
         with armed(f"{name}: first step, {warmup} warm-up and {n_it} timed fwd+bwd steps"
-                   + (", profile" if profile is not None and device.type == "cuda" else "")):
+                   + (", profile" if profile is not None and device.type == "cuda" else "")), \
+                qk_norm_rope_env(qk_norm_rope):
             r = run_ours(model, spec, ids, probe, norm_w, device, warmup if backend == "torch" else 1, n_it,
                          profile_path=profile, capture_counts=(name == "ours"), groups=pack_by_budget(lengths, budget),
                          barrier=dist.barrier if ep > 1 else None)
         peak = r["peak_gib"]
-        extra = {"backend": backend, "recompute": recompute, "micro_batch_tokens": r["micro_batch_tokens"],
+        extra = {"backend": backend, "recompute": recompute, "qk_norm_rope_fused": qk_norm_rope,
+                 "micro_batch_tokens": r["micro_batch_tokens"],
                  "memory_trace": r.get("memory_trace"),
                  "host_issue_s_median": statistics.median(r["host_issue_s"])}
         if hf_out is not None:

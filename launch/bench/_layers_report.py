@@ -45,7 +45,8 @@ def _plot(res: dict, path: Path) -> None:
     except Exception:  # noqa: BLE001 - no matplotlib: JSON only
         return
     s = res["systems"]
-    order = ("ours", "ours_rc", "ours_mb", "ours_mb_rc", "ours_full_rc", "hf_bs1", "hf_bs4", "mcore_local")
+    order = ("ours", "ours_rc", "ours_qknr", "ours_mb", "ours_mb_rc", "ours_mb_qknr", "ours_full_rc", "hf_bs1", "hf_bs4",
+             "mcore_local")
     names = [n for n in order if n in s] + [n for n in s if n not in order]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     axes[0].bar(names, [s[n]["tok_per_s"] / 1e3 for n in names], color="tab:blue")

@@ -10,6 +10,8 @@ What runs (one process, one GPU; all systems get the same weights and the same t
 * **ours_rc**, **ours_mb_rc**: ``ours`` / ``ours_mb`` built with ``recompute="experts"`` (the
   experts' sorted input rows and SwiGLU output recomputed in the backward, ``modeling/recompute.py``);
   **ours_full_rc**: ``recompute="full"`` (megatron's full recomputation of every layer);
+* **ours_qknr**, **ours_mb_qknr**: ``ours`` / ``ours_mb`` with the q/k RMSNorms fused into the
+  RoPE kernel (``MGRPO_TRITON_QK_NORM_ROPE=1`` while they run, ``modeling/rope.py``);
 * **hf_bs1**: transformers' ``Qwen3OmniMoeThinkerTextModel`` (sdpa attention, ``grouped_mm``
   experts), one sample at a time (what users with batch size 1 run), gradients accumulated;
 * **hf_bs4**: the same model on right-padded batches of 4 samples (in batch order);
@@ -164,9 +166,9 @@ def add_parser(bsub) -> argparse.ArgumentParser:
                         "own micro-batch each: per-GPU throughput, ratio to EP1, per-rank loss check)")
     s.add_argument("--out", default="bench_results/layers", help="results directory (JSON, PNG, profile)")
     s.add_argument("--systems", default="ours,ours_mb,hf_bs1,hf_bs4,mcore_local",
-                   help="comma-separated subset of ours,ours_rc,ours_mb,ours_mb_rc,ours_full_rc,hf_bs1,hf_bs4,"
-                        "mcore_local (_rc: recompute the experts' activations, _full_rc: megatron's full "
-                        "recomputation)")
+                   help="comma-separated subset of ours,ours_rc,ours_mb,ours_mb_rc,ours_full_rc,ours_qknr,"
+                        "ours_mb_qknr,hf_bs1,hf_bs4,mcore_local (_rc: recompute the experts' activations, "
+                        "_full_rc: megatron's full recomputation, _qknr: q/k RMSNorm fused into the RoPE)")
     s.add_argument("--mb-tokens", type=int, default=4096,
                    help="token budget of the micro-batches of ours_mb (same batch, packed into several "
                         "micro-batches with gradient accumulation: memory vs throughput)")

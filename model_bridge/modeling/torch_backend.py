@@ -13,8 +13,8 @@ local spec (same modules, same parameter names outside the experts) with four re
   megatron's THD loop (``.tolist()`` plus one ``.item()`` per sample, for q and for k, every layer):
   with per-token rotary angles for all T packed tokens (our MRoPE) and no context parallelism, THD RoPE
   *is* the BSHD RoPE over the buffer, which runs with no host sync; on CUDA it is one fused Triton
-  pass each way (:class:`_FusedRope`, cos/sin computed once per forward and cached on the angles
-  tensor; ``MGRPO_TRITON_ROPE=0`` falls back to megatron's unfused BSHD RoPE);
+  pass each way (:mod:`.rope`; ``MGRPO_TRITON_ROPE=0`` falls back to megatron's unfused BSHD RoPE;
+  ``MGRPO_TRITON_QK_NORM_ROPE=1`` also fuses the q/k RMSNorms into it);
 * MoE layer: :class:`TorchMoELayer`, megatron's ``MoELayer`` whose all-to-all dispatcher permutes with
   :func:`~model_bridge.modeling.experts.sort_by_expert` (same order as megatron's permute, one argsort
   over ``T * k`` pairs, gathers both ways, fp32 sum over each token's k expert outputs, fused into one
@@ -39,7 +39,6 @@ import copy
 import dataclasses
 import functools
 import os
-import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -53,6 +52,7 @@ from .attention import PackedCoreAttention, packed_segments, varlen_kwargs
 from .ep_dispatch import DedupExchange
 from .experts import TorchGroupedMLP, grouped_mm_available
 from .permute import sort_by_expert, topk_indices, unsort_combine
+from .rope import defer_qk_norms, fast_rope_scope, install_fast_rope
 from .specs import _check_config, local_block_spec, register_backend
 from .thd import host_offsets, to_device_async
 
@@ -153,143 +153,41 @@ class TorchCoreAttention(PackedCoreAttention):
 # THD RoPE without host syncs
 # ------------------------------------------------------------------------------------------------
 
-_STATE = threading.local()
-
-
-def _fast_rope_active() -> bool:
-    return getattr(_STATE, "depth", 0) > 0
-
-
-@functools.lru_cache(maxsize=None)
-def _triton_rope_kernel():
-    """Rotary embedding (non-interleaved halves) of ``x [T, n, d]`` with per-token ``cos/sin [T, d]``
-    in one pass, forward or backward (the transpose rotation); None without Triton."""
-    if os.environ.get("MGRPO_TRITON_ROPE", "1") == "0":
-        return None
-    try:
-        import triton
-        import triton.language as tl
-    except Exception:  # noqa: BLE001
-        return None
-
-    @triton.jit
-    def rope(x_ptr, cos_ptr, sin_ptr, o_ptr, n_heads, sx0, sx1, so0, so1, HALF: tl.constexpr,
-             BLOCK_N: tl.constexpr, BWD: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
-        heads = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        hm = (heads < n_heads)[:, None]
-        d = tl.arange(0, HALF)
-        cb = cos_ptr + t * (2 * HALF)
-        sb = sin_ptr + t * (2 * HALF)
-        c1 = tl.load(cb + d)[None, :]
-        c2 = tl.load(cb + HALF + d)[None, :]
-        s1 = tl.load(sb + d)[None, :]
-        s2 = tl.load(sb + HALF + d)[None, :]
-        xp = x_ptr + t * sx0 + heads[:, None] * sx1 + d[None, :]
-        x1 = tl.load(xp, mask=hm, other=0.0).to(tl.float32)
-        x2 = tl.load(xp + HALF, mask=hm, other=0.0).to(tl.float32)
-        if BWD:
-            y1 = x1 * c1 + x2 * s2
-            y2 = x2 * c2 - x1 * s1
-        else:
-            y1 = x1 * c1 - x2 * s1
-            y2 = x2 * c2 + x1 * s2
-        op = o_ptr + t * so0 + heads[:, None] * so1 + d[None, :]
-        tl.store(op, y1.to(o_ptr.dtype.element_ty), mask=hm)
-        tl.store(op + HALF, y2.to(o_ptr.dtype.element_ty), mask=hm)
-
-    return rope
-
-
-def _rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bwd: bool) -> torch.Tensor:
-    import triton
-
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    T, n, d = x.shape
-    out = torch.empty(T, n, d, dtype=x.dtype, device=x.device)
-    if T:
-        block_n = min(16, triton.next_power_of_2(n))
-        _triton_rope_kernel()[(T, triton.cdiv(n, block_n))](x, cos, sin, out, n, x.stride(0), x.stride(1),
-                                                             out.stride(0), out.stride(1), HALF=d // 2,
-                                                             BLOCK_N=block_n, BWD=bwd, num_warps=4)
-    return out
-
-
-class _FusedRope(torch.autograd.Function):
-    """``x * cos + rotate_half(x) * sin`` (megatron's non-interleaved RoPE) in one Triton pass each way."""
-
-    @staticmethod
-    def forward(ctx, x, cos, sin):
-        ctx.save_for_backward(cos, sin)
-        return _rope_launch(x, cos, sin, bwd=False)
-
-    @staticmethod
-    def backward(ctx, grad):
-        cos, sin = ctx.saved_tensors
-        return _rope_launch(grad, cos, sin, bwd=True), None, None
-
-
-def _cos_sin(freqs: torch.Tensor, mscale: float):
-    """fp32 ``(cos, sin) [T, d]`` of rotary angles ``[T, 1, 1, d]``, cached on the freqs tensor (the
-    same tensor reaches every layer of a forward, for q and for k)."""
-    cached = getattr(freqs, "_mgrpo_cos_sin", None)
-    if cached is not None and cached[0] == mscale and cached[1] == freqs._version:
-        return cached[2], cached[3]
-    f = freqs.reshape(freqs.shape[0], freqs.shape[-1]).float()
-    cos, sin = (torch.cos(f) * mscale).contiguous(), (torch.sin(f) * mscale).contiguous()
-    try:
-        freqs._mgrpo_cos_sin = (mscale, freqs._version, cos, sin)
-    except (AttributeError, RuntimeError):
-        pass
-    return cos, sin
-
-
-def _fused_rope_ok(t: torch.Tensor, freqs: torch.Tensor, config) -> bool:
-    from .permute import _TRITON_ON_CPU
-
-    d = t.shape[-1]
-    return ((t.is_cuda or _TRITON_ON_CPU) and freqs.shape[-1] == d and d % 2 == 0 and (d // 2) & (d // 2 - 1) == 0
-            and not getattr(config, "rotary_interleaved", False)
-            and not getattr(config, "multi_latent_attention", False) and _triton_rope_kernel() is not None)
-
-
-def _make_fast_rope(orig):
-    @functools.wraps(orig)
-    def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None, **kw):
-        if (cu_seqlens is not None and _fast_rope_active() and t.dim() == 3 and freqs.dim() == 4
-                and freqs.shape[0] == t.shape[0] and freqs.shape[1] == 1
-                and not getattr(config, "apply_rope_fusion", False)
-                and (cp_group is None or cp_group.size() == 1)):
-            # per-token angles for every packed token and no CP: megatron's THD path (cp=1, packed
-            # freqs) applies exactly these angles row by row, after reading cu_seqlens to the host
-            if _fused_rope_ok(t, freqs, config):
-                cos, sin = _cos_sin(freqs, float(mscale))
-                return _FusedRope.apply(t, cos, sin)
-            return orig(t.unsqueeze(1), freqs, config, None, mscale=mscale, cp_group=cp_group, **kw).squeeze(1)
-        return orig(t, freqs, config, cu_seqlens, mscale=mscale, cp_group=cp_group, **kw)
-
-    apply_rotary_pos_emb._mgrpo_fast_rope = True
-    return apply_rotary_pos_emb
-
-
-def install_fast_rope() -> None:
-    """Wrap ``megatron.core.transformer.attention.apply_rotary_pos_emb`` (idempotent). The wrapper
-    changes nothing unless called from inside :class:`TorchSelfAttention`'s forward."""
-    import megatron.core.transformer.attention as attn_mod
-
-    if not getattr(attn_mod.apply_rotary_pos_emb, "_mgrpo_fast_rope", False):
-        attn_mod.apply_rotary_pos_emb = _make_fast_rope(attn_mod.apply_rotary_pos_emb)
-
-
 class TorchSelfAttention(SelfAttention):
-    """megatron ``SelfAttention`` whose packed RoPE runs without host syncs (module docstring)."""
+    """megatron ``SelfAttention`` whose packed RoPE runs without host syncs (module docstring); with
+    ``MGRPO_TRITON_QK_NORM_ROPE=1`` its q/k RMSNorms run inside the RoPE kernel (rope.py)."""
 
     def forward(self, *args, **kwargs):
-        _STATE.depth = getattr(_STATE, "depth", 0) + 1
+        deferred = [] if self._defer_norms(args, kwargs) else None
+        with fast_rope_scope(deferred):
+            self._deferred_norms = deferred
+            try:
+                return super().forward(*args, **kwargs)
+            finally:
+                self._deferred_norms = None
+
+    def _defer_norms(self, args, kwargs) -> bool:
+        psp = kwargs.get("packed_seq_params")
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        return (psp is not None and getattr(psp, "qkv_format", None) == "thd"
+                and kwargs.get("rotary_pos_emb") is not None and kwargs.get("key_value_states") is None
+                and kwargs.get("inference_context") is None and kwargs.get("inference_params") is None
+                and self.config.context_parallel_size == 1 and hidden is not None
+                and defer_qk_norms(self.q_layernorm, self.k_layernorm, self.hidden_size_per_attention_head,
+                                   self.config, hidden.is_cuda))
+
+    def get_query_key_value_tensors(self, *args, **kwargs):
+        deferred = getattr(self, "_deferred_norms", None)
+        if deferred is None:
+            return super().get_query_key_value_tensors(*args, **kwargs)
+        q_norm, k_norm = self.q_layernorm, self.k_layernorm
+        self.q_layernorm = self.k_layernorm = None  # megatron skips them; the RoPE applies them
         try:
-            return super().forward(*args, **kwargs)
+            out = super().get_query_key_value_tensors(*args, **kwargs)
         finally:
-            _STATE.depth -= 1
+            self.q_layernorm, self.k_layernorm = q_norm, k_norm
+        deferred.extend([q_norm, k_norm])  # megatron ropes the query first, then the key
+        return out
 
 
 # ------------------------------------------------------------------------------------------------

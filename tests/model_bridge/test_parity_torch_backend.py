@@ -70,6 +70,16 @@ def _rank_cuda_torch_backend(hf_dir: str, samples):
         return orig_segments(*a, **k)
 
     tb.packed_segments = counting_segments
+    import model_bridge.modeling.rope as rp
+
+    fused = [0]
+    orig_norm_rope = rp._norm_rope_fwd
+
+    def counting_norm_rope(*a, **k):
+        fused[0] += 1
+        return orig_norm_rope(*a, **k)
+
+    rp._norm_rope_fwd = counting_norm_rope
     init_parallel(seed=1234)
     spec = read_omni_config(hf_dir)
     V = spec.text.vocab_size
@@ -123,15 +133,22 @@ def _rank_cuda_torch_backend(hf_dir: str, samples):
     out["grad_worst"] = sorted(errs.items(), key=lambda kv: kv[1])[-3:]
     lt, ll = out.pop("packed_logits_torch"), out.pop("packed_logits_local")
     out["packed_logits_torch_vs_local"] = (lt - ll).abs().max().item() / ll.abs().max().item()
+    out["fused_norm_rope_calls"] = fused[0]
     destroy_parallel()
     tb.packed_segments = orig_segments
+    rp._norm_rope_fwd = orig_norm_rope
     return out
 
 
 @pytest.mark.gpu
-def test_torch_backend_cuda_parity(tiny_ckpt, reference):  # noqa: F811
+@pytest.mark.parametrize("qk_norm_rope", [False, True], ids=["rope", "qk_norm_rope"])
+def test_torch_backend_cuda_parity(tiny_ckpt, reference, qk_norm_rope):  # noqa: F811
+    """``qk_norm_rope``: the q/k RMSNorms fused into the RoPE kernel (``MGRPO_TRITON_QK_NORM_ROPE=1``):
+    the packed bf16 pass uses it (the unpacked passes do not: no THD), so "packed vs unpacked" and
+    the gradients against the local backend check it."""
     samples, ref = reference
-    res = run_ranks(_rank_cuda_torch_backend, 1, str(tiny_ckpt), samples, timeout=900)[0]
+    res = run_ranks(_rank_cuda_torch_backend, 1, str(tiny_ckpt), samples, timeout=900,
+                    env={"MGRPO_TRITON_QK_NORM_ROPE": "1" if qk_norm_rope else "0"})[0]
     lines = [f"megatron-core {res['megatron_core']}, auto -> {res['auto']}, grouped_mm usable {res['grouped_mm']}, "
              f"varlen plans per packed forward {res['varlen_plans_per_packed_forward']}, packed logits torch vs local "
              f"{res['packed_logits_torch_vs_local']:.2e}, worst grads {res['grad_worst']}"]
@@ -152,3 +169,4 @@ def test_torch_backend_cuda_parity(tiny_ckpt, reference):  # noqa: F811
     assert res["grad_keys_equal"]
     assert res["grad_worst"][-1][1] < BF16_GRAD_REL, res["grad_worst"]
     assert res["packed_logits_torch_vs_local"] < 0.02
+    assert (res["fused_norm_rope_calls"] > 0) == qk_norm_rope, res["fused_norm_rope_calls"]

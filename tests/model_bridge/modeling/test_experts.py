@@ -219,16 +219,16 @@ def _rank_triton_glu_interpreted():
     # fused RoPE vs megatron's unfused BSHD RoPE (float64 reference), forward and backward
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
-    import model_bridge.modeling.torch_backend as tb
+    import model_bridge.modeling.rope as rp
 
     for dtype in (torch.float32, torch.bfloat16):
         T, n, d = 11, 5, 16
         x = torch.randn(T, n, d, generator=g).to(dtype)
         freqs = torch.randn(T, 1, 1, d, generator=g)
         go = torch.randn(T, n, d, generator=g).to(dtype)
-        cos, sin = tb._cos_sin(freqs, 1.0)
+        cos, sin = rp._cos_sin(freqs, 1.0)
         xx = x.clone().requires_grad_()
-        y = tb._FusedRope.apply(xx, cos, sin)
+        y = rp._FusedRope.apply(xx, cos, sin)
         y.backward(go)
         xr = x.double().requires_grad_()
         yr = _apply_rotary_pos_emb_bshd(xr.unsqueeze(1), freqs.double()).squeeze(1)
@@ -248,15 +248,19 @@ def test_triton_weighted_swiglu_kernels_interpreted():
         assert v < (1e-6 if "float32" in k else 8e-3), f"{k}: {v:.2e}"
 
 
-def test_torch_backend_with_triton_kernels_interpreted(tiny_ckpt):
+@pytest.mark.parametrize("qk_norm_rope", [False, True], ids=["rope", "qk_norm_rope"])
+def test_torch_backend_with_triton_kernels_interpreted(tiny_ckpt, qk_norm_rope):
     """The thinker-level comparison of the next test with the Triton paths on (fused SwiGLU,
-    gather-sum combine, fused RoPE), run by Triton's interpreter on CPU tensors."""
+    gather-sum combine, fused RoPE; or the q/k RMSNorms fused into the RoPE), run by Triton's
+    interpreter on CPU tensors."""
     pytest.importorskip("triton")
     v = run_ranks(_rank_backends, 1, str(tiny_ckpt), 1, 1, None, timeout=900,
-                  env={"TRITON_INTERPRET": "1", "MGRPO_TRITON_GLU_CPU": "1"})[0]
+                  env={"TRITON_INTERPRET": "1", "MGRPO_TRITON_GLU_CPU": "1",
+                       "MGRPO_TRITON_QK_NORM_ROPE": "1" if qk_norm_rope else "0"})[0]
     print(f"\n[torch vs local backend, Triton interpreted] logits rel {v['logits_rel']:.2e}, grads rel max "
           f"{v['grad_rel_max']:.2e}, worst {v['grad_worst']}, triton paths {v['triton_paths']}")
-    assert v["triton_paths"] == {"glu": True, "gather_sum": True, "rope": True}, v["triton_paths"]
+    assert v["triton_paths"] == {"glu": True, "gather_sum": True, "rope": not qk_norm_rope,
+                                 "norm_rope": qk_norm_rope}, v["triton_paths"]
     assert v["logits_rel"] < FP32_TOL and v["grad_rel_max"] < 1e-4, v
 
 
@@ -314,10 +318,10 @@ def _rank_backends(hf_dir: str, tp: int, ep: int, check_ckpt_dir: str | None):
     res: dict = {"layout": (tp, ep)}
     import model_bridge.modeling.experts as ex
     import model_bridge.modeling.permute as pm
-    import model_bridge.modeling.torch_backend as tb
+    import model_bridge.modeling.rope as rp
 
-    used = {"glu": False, "gather_sum": False, "rope": False}
-    orig = (ex._glu_fwd_triton, pm.gather_sum, tb._rope_launch)
+    used = {"glu": False, "gather_sum": False, "rope": False, "norm_rope": False}
+    orig = (ex._glu_fwd_triton, pm.gather_sum, rp._rope_launch, rp._norm_rope_fwd)
 
     def spy(key, fn):
         def wrapped(*a, **k):
@@ -325,7 +329,8 @@ def _rank_backends(hf_dir: str, tp: int, ep: int, check_ckpt_dir: str | None):
             return fn(*a, **k)
         return wrapped
 
-    ex._glu_fwd_triton, tb._rope_launch = spy("glu", orig[0]), spy("rope", orig[2])
+    ex._glu_fwd_triton, rp._rope_launch = spy("glu", orig[0]), spy("rope", orig[2])
+    rp._norm_rope_fwd = spy("norm_rope", orig[3])
     ex_gs = pm._triton_gather_sum_kernel
 
     def gs_spy():
@@ -345,7 +350,7 @@ def _rank_backends(hf_dir: str, tp: int, ep: int, check_ckpt_dir: str | None):
         outs[backend] = {"logits": logits.detach()[:n_real], "grads": grads_by_hf_name(model, spec)}
         models[backend] = model
     res["triton_paths"] = dict(used)
-    ex._glu_fwd_triton, pm._triton_gather_sum_kernel, tb._rope_launch = orig[0], ex_gs, orig[2]
+    ex._glu_fwd_triton, pm._triton_gather_sum_kernel, rp._rope_launch, rp._norm_rope_fwd = orig[0], ex_gs, *orig[2:]
     res["expert_param_names"] = sorted({n.split("mlp.experts.")[1] for n, _ in models["torch"].named_parameters()
                                         if "mlp.experts." in n})
     res["logits_rel"] = _rel(outs["torch"]["logits"], outs["local"]["logits"])

@@ -1,0 +1,340 @@
+"""RoPE of packed (THD) sequences without host syncs, fused on CUDA: the torch backend's attention.
+
+Shapes: ``T`` packed tokens, ``n`` heads (q or k), ``d`` head dim (``HALF = d // 2``);
+``x [T, n, d]``, rotary angles ``freqs [T, 1, 1, d]`` (per token: our MRoPE), ``cos/sin [T, d]`` fp32.
+
+* :func:`install_fast_rope` wraps megatron's ``apply_rotary_pos_emb`` (as the attention module sees
+  it). Inside :class:`~model_bridge.modeling.torch_backend.TorchSelfAttention`'s forward, with
+  per-token angles for all T tokens and no context parallelism, megatron's THD RoPE (a loop over
+  samples with ``.tolist()``/``.item()``) *is* the BSHD RoPE over the buffer: the wrapper applies it
+  in one Triton pass each way on CUDA (:class:`_FusedRope`; ``MGRPO_TRITON_ROPE=0`` falls back to
+  megatron's unfused BSHD RoPE), with no host sync.
+* q/k RMSNorm fused into the RoPE (:class:`_FusedNormRope`, opt-in: ``MGRPO_TRITON_QK_NORM_ROPE=1``):
+  Qwen3 normalises every q and k head (RMSNorm over d) just before the RoPE; megatron runs the
+  norm (one pass to write the normed copy, two in the backward) and the RoPE as separate kernels.
+  Fused, q and k are read once and written once each way. The attention defers its q/k norms
+  (:func:`defer_qk_norms`) and this wrapper applies them; anything it cannot fuse gets the norm
+  module first, so a deferred norm is never skipped (the attention checks the queue is empty).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import threading
+from typing import Optional
+
+import torch
+
+__all__ = ["install_fast_rope", "fast_rope_scope", "defer_qk_norms", "qk_norm_rope_wanted"]
+
+_STATE = threading.local()
+
+
+def _fast_rope_active() -> bool:
+    return getattr(_STATE, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def fast_rope_scope(deferred_norms: Optional[list] = None):
+    """The fast path's scope (one attention forward): the wrapper acts only inside it.
+    ``deferred_norms``: the list the attention fills with its q and k norm modules (in that order)
+    when it defers them; the wrapper pops them. Raises if one was left unapplied."""
+    prev = getattr(_STATE, "norms", None)
+    _STATE.depth = getattr(_STATE, "depth", 0) + 1
+    _STATE.norms = deferred_norms
+    try:
+        yield
+    finally:
+        _STATE.depth -= 1
+        _STATE.norms = prev
+    if deferred_norms:
+        raise RuntimeError(f"{len(deferred_norms)} q/k norm(s) were deferred to the RoPE but no RoPE ran: "
+                           f"set MGRPO_TRITON_QK_NORM_ROPE=0 and report this")
+
+
+def qk_norm_rope_wanted() -> bool:
+    """``MGRPO_TRITON_QK_NORM_ROPE=1`` (off by default until measured on the GPU)."""
+    return os.environ.get("MGRPO_TRITON_QK_NORM_ROPE", "0") == "1"
+
+
+def defer_qk_norms(q_norm, k_norm, head_dim: int, config, on_device: bool) -> bool:
+    """Whether the attention may leave its q/k norms to the RoPE: both plain ``torch.nn.RMSNorm``
+    with a weight over the head dim, a RoPE the fused kernel covers, and the kernel runnable."""
+    from .permute import _TRITON_ON_CPU
+
+    def plain(m) -> bool:
+        return type(m) is torch.nn.RMSNorm and m.weight is not None and tuple(m.normalized_shape) == (head_dim,)
+
+    half = head_dim // 2
+    return (qk_norm_rope_wanted() and (on_device or _TRITON_ON_CPU) and plain(q_norm) and plain(k_norm)
+            and head_dim % 2 == 0 and half & (half - 1) == 0
+            and not getattr(config, "rotary_interleaved", False) and not getattr(config, "apply_rope_fusion", False)
+            and not getattr(config, "multi_latent_attention", False) and _triton_kernels() is not None)
+
+
+# ------------------------------------------------------------------------------------------------
+# Triton kernels
+# ------------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _triton_kernels():
+    """``(rope, norm_rope_fwd, norm_rope_bwd)`` Triton kernels; None without Triton or with
+    ``MGRPO_TRITON_ROPE=0``. RoPE is megatron's non-interleaved halves form:
+    ``y = x * cos + rotate_half(x) * sin``; its backward is the transpose rotation."""
+    if os.environ.get("MGRPO_TRITON_ROPE", "1") == "0":
+        return None
+    try:
+        import triton
+        import triton.language as tl
+    except Exception:  # noqa: BLE001
+        return None
+
+    @triton.jit
+    def rope(x_ptr, cos_ptr, sin_ptr, o_ptr, n_heads, sx0, sx1, so0, so1, HALF: tl.constexpr,
+             BLOCK_N: tl.constexpr, BWD: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        heads = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        hm = (heads < n_heads)[:, None]
+        d = tl.arange(0, HALF)
+        cb = cos_ptr + t * (2 * HALF)
+        sb = sin_ptr + t * (2 * HALF)
+        c1 = tl.load(cb + d)[None, :]
+        c2 = tl.load(cb + HALF + d)[None, :]
+        s1 = tl.load(sb + d)[None, :]
+        s2 = tl.load(sb + HALF + d)[None, :]
+        xp = x_ptr + t * sx0 + heads[:, None] * sx1 + d[None, :]
+        x1 = tl.load(xp, mask=hm, other=0.0).to(tl.float32)
+        x2 = tl.load(xp + HALF, mask=hm, other=0.0).to(tl.float32)
+        if BWD:
+            y1 = x1 * c1 + x2 * s2
+            y2 = x2 * c2 - x1 * s1
+        else:
+            y1 = x1 * c1 - x2 * s1
+            y2 = x2 * c2 + x1 * s2
+        op = o_ptr + t * so0 + heads[:, None] * so1 + d[None, :]
+        tl.store(op, y1.to(o_ptr.dtype.element_ty), mask=hm)
+        tl.store(op + HALF, y2.to(o_ptr.dtype.element_ty), mask=hm)
+
+    @triton.jit
+    def norm_rope_fwd(x_ptr, w_ptr, cos_ptr, sin_ptr, o_ptr, n_heads, sx0, sx1, so0, so1, eps,
+                      HALF: tl.constexpr, BLOCK_N: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        heads = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        hm = (heads < n_heads)[:, None]
+        d = tl.arange(0, HALF)
+        c1 = tl.load(cos_ptr + t * (2 * HALF) + d)[None, :]
+        c2 = tl.load(cos_ptr + t * (2 * HALF) + HALF + d)[None, :]
+        s1 = tl.load(sin_ptr + t * (2 * HALF) + d)[None, :]
+        s2 = tl.load(sin_ptr + t * (2 * HALF) + HALF + d)[None, :]
+        w1 = tl.load(w_ptr + d).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + d).to(tl.float32)[None, :]
+        xp = x_ptr + t * sx0 + heads[:, None] * sx1 + d[None, :]
+        x1 = tl.load(xp, mask=hm, other=0.0).to(tl.float32)
+        x2 = tl.load(xp + HALF, mask=hm, other=0.0).to(tl.float32)
+        r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+        # rounded to the output dtype between norm and RoPE, as the two unfused kernels round
+        n1 = (x1 * r * w1).to(o_ptr.dtype.element_ty).to(tl.float32)
+        n2 = (x2 * r * w2).to(o_ptr.dtype.element_ty).to(tl.float32)
+        op = o_ptr + t * so0 + heads[:, None] * so1 + d[None, :]
+        tl.store(op, (n1 * c1 - n2 * s1).to(o_ptr.dtype.element_ty), mask=hm)
+        tl.store(op + HALF, (n2 * c2 + n1 * s2).to(o_ptr.dtype.element_ty), mask=hm)
+
+    @triton.jit
+    def norm_rope_bwd(g_ptr, x_ptr, w_ptr, cos_ptr, sin_ptr, dx_ptr, dwp_ptr, T, n_heads, sg0, sg1, sx0, sx1,
+                      sd0, sd1, eps, HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
+        # one program: BLOCK_T tokens x BLOCK_N heads; its partial weight gradient goes to one
+        # row of dwp [programs, 2 * HALF] (summed by the caller: no atomics, deterministic)
+        heads = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        d = tl.arange(0, HALF)
+        w1 = tl.load(w_ptr + d).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + d).to(tl.float32)[None, :]
+        dw1 = tl.zeros([HALF], dtype=tl.float32)
+        dw2 = tl.zeros([HALF], dtype=tl.float32)
+        for i in range(BLOCK_T):
+            t = tl.program_id(0).to(tl.int64) * BLOCK_T + i
+            m = ((heads < n_heads) & (heads * 0 + t < T))[:, None]  # a real head of a real token
+            tc = tl.minimum(t, T - 1)  # past the end: any angle (its gradient and x load as 0)
+            c1 = tl.load(cos_ptr + tc * (2 * HALF) + d)[None, :]
+            c2 = tl.load(cos_ptr + tc * (2 * HALF) + HALF + d)[None, :]
+            s1 = tl.load(sin_ptr + tc * (2 * HALF) + d)[None, :]
+            s2 = tl.load(sin_ptr + tc * (2 * HALF) + HALF + d)[None, :]
+            gp = g_ptr + t * sg0 + heads[:, None] * sg1 + d[None, :]
+            g1 = tl.load(gp, mask=m, other=0.0).to(tl.float32)
+            g2 = tl.load(gp + HALF, mask=m, other=0.0).to(tl.float32)
+            xp = x_ptr + t * sx0 + heads[:, None] * sx1 + d[None, :]
+            x1 = tl.load(xp, mask=m, other=0.0).to(tl.float32)
+            x2 = tl.load(xp + HALF, mask=m, other=0.0).to(tl.float32)
+            dn1 = g1 * c1 + g2 * s2  # the RoPE's transpose rotation: gradient of the normed x
+            dn2 = g2 * c2 - g1 * s1
+            r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+            xh1 = x1 * r
+            xh2 = x2 * r
+            dw1 += tl.sum(dn1 * xh1, 0)
+            dw2 += tl.sum(dn2 * xh2, 0)
+            gw1 = dn1 * w1
+            gw2 = dn2 * w2
+            dot = ((tl.sum(gw1 * xh1, 1) + tl.sum(gw2 * xh2, 1)) / (2 * HALF))[:, None]
+            dp = dx_ptr + t * sd0 + heads[:, None] * sd1 + d[None, :]
+            tl.store(dp, (r * (gw1 - xh1 * dot)).to(dx_ptr.dtype.element_ty), mask=m)
+            tl.store(dp + HALF, (r * (gw2 - xh2 * dot)).to(dx_ptr.dtype.element_ty), mask=m)
+        row = dwp_ptr + (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * (2 * HALF)
+        tl.store(row + d, dw1)
+        tl.store(row + HALF + d, dw2)
+
+    return rope, norm_rope_fwd, norm_rope_bwd
+
+
+_NORM_ROPE_BLOCK_T = 16
+"""Tokens per program of the fused norm+RoPE backward: the weight-gradient partials are
+``ceil(T / 16) * head blocks`` rows of d floats (~1.5 MB at 22.8k tokens), summed once."""
+
+
+def _head_block(n: int) -> int:
+    import triton
+
+    return min(16, triton.next_power_of_2(n))
+
+
+def _rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bwd: bool) -> torch.Tensor:
+    import triton
+
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    T, n, d = x.shape
+    out = torch.empty(T, n, d, dtype=x.dtype, device=x.device)
+    if T:
+        bn = _head_block(n)
+        _triton_kernels()[0][(T, triton.cdiv(n, bn))](x, cos, sin, out, n, x.stride(0), x.stride(1),
+                                                      out.stride(0), out.stride(1), HALF=d // 2,
+                                                      BLOCK_N=bn, BWD=bwd, num_warps=4)
+    return out
+
+
+def _norm_rope_fwd(x, w, cos, sin, eps: float) -> torch.Tensor:
+    import triton
+
+    T, n, d = x.shape
+    out = torch.empty(T, n, d, dtype=x.dtype, device=x.device)
+    if T:
+        bn = _head_block(n)
+        _triton_kernels()[1][(T, triton.cdiv(n, bn))](x, w, cos, sin, out, n, x.stride(0), x.stride(1),
+                                                      out.stride(0), out.stride(1), eps, HALF=d // 2,
+                                                      BLOCK_N=bn, num_warps=4)
+    return out
+
+
+def _norm_rope_bwd(g, x, w, cos, sin, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    import triton
+
+    g = g if g.stride(-1) == 1 else g.contiguous()
+    T, n, d = x.shape
+    dx = torch.empty(T, n, d, dtype=x.dtype, device=x.device)
+    bn = _head_block(n)
+    grid = (triton.cdiv(T, _NORM_ROPE_BLOCK_T), triton.cdiv(n, bn))
+    dw_parts = torch.zeros(grid[0] * grid[1], d, dtype=torch.float32, device=x.device)
+    if T:
+        _triton_kernels()[2][grid](g, x, w, cos, sin, dx, dw_parts, T, n, g.stride(0), g.stride(1),
+                                   x.stride(0), x.stride(1), dx.stride(0), dx.stride(1), eps, HALF=d // 2,
+                                   BLOCK_N=bn, BLOCK_T=_NORM_ROPE_BLOCK_T, num_warps=4)
+    return dx, dw_parts.sum(0).to(w.dtype)
+
+
+class _FusedRope(torch.autograd.Function):
+    """``x * cos + rotate_half(x) * sin`` (megatron's non-interleaved RoPE) in one Triton pass each way."""
+
+    @staticmethod
+    def forward(ctx, x, cos, sin):
+        ctx.save_for_backward(cos, sin)
+        return _rope_launch(x, cos, sin, bwd=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        cos, sin = ctx.saved_tensors
+        return _rope_launch(grad, cos, sin, bwd=True), None, None
+
+
+class _FusedNormRope(torch.autograd.Function):
+    """``rope(RMSNorm_w(x))`` over each head's d values in one Triton pass each way. Saves ``x``
+    (the unfused norm saves it too) and recomputes the ``1/rms`` in the backward."""
+
+    @staticmethod
+    def forward(ctx, x, w, cos, sin, eps: float):
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        ctx.save_for_backward(x, w, cos, sin)
+        ctx.eps = eps
+        return _norm_rope_fwd(x, w, cos, sin, eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w, cos, sin = ctx.saved_tensors
+        dx, dw = _norm_rope_bwd(grad, x, w, cos, sin, ctx.eps)
+        return dx, dw, None, None, None
+
+
+# ------------------------------------------------------------------------------------------------
+# the wrapper of megatron's apply_rotary_pos_emb
+# ------------------------------------------------------------------------------------------------
+
+def _cos_sin(freqs: torch.Tensor, mscale: float):
+    """fp32 ``(cos, sin) [T, d]`` of rotary angles ``[T, 1, 1, d]``, cached on the freqs tensor (the
+    same tensor reaches every layer of a forward, for q and for k)."""
+    cached = getattr(freqs, "_mgrpo_cos_sin", None)
+    if cached is not None and cached[0] == mscale and cached[1] == freqs._version:
+        return cached[2], cached[3]
+    f = freqs.reshape(freqs.shape[0], freqs.shape[-1]).float()
+    cos, sin = (torch.cos(f) * mscale).contiguous(), (torch.sin(f) * mscale).contiguous()
+    try:
+        freqs._mgrpo_cos_sin = (mscale, freqs._version, cos, sin)
+    except (AttributeError, RuntimeError):
+        pass
+    return cos, sin
+
+
+def _fused_rope_ok(t: torch.Tensor, freqs: torch.Tensor, config) -> bool:
+    from .permute import _TRITON_ON_CPU
+
+    d = t.shape[-1]
+    return ((t.is_cuda or _TRITON_ON_CPU) and freqs.shape[-1] == d and d % 2 == 0 and (d // 2) & (d // 2 - 1) == 0
+            and not getattr(config, "rotary_interleaved", False)
+            and not getattr(config, "multi_latent_attention", False) and _triton_kernels() is not None)
+
+
+def _pop_deferred_norm():
+    norms = getattr(_STATE, "norms", None)
+    return norms.pop(0) if norms else None
+
+
+def _make_fast_rope(orig):
+    @functools.wraps(orig)
+    def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None, **kw):
+        norm = _pop_deferred_norm() if _fast_rope_active() else None  # q's first, then k's
+        if (cu_seqlens is not None and _fast_rope_active() and t.dim() == 3 and freqs.dim() == 4
+                and freqs.shape[0] == t.shape[0] and freqs.shape[1] == 1
+                and not getattr(config, "apply_rope_fusion", False)
+                and (cp_group is None or cp_group.size() == 1)):
+            # per-token angles for every packed token and no CP: megatron's THD path (cp=1, packed
+            # freqs) applies exactly these angles row by row, after reading cu_seqlens to the host
+            if _fused_rope_ok(t, freqs, config):
+                cos, sin = _cos_sin(freqs, float(mscale))
+                if norm is not None:
+                    eps = norm.eps if norm.eps is not None else torch.finfo(t.dtype).eps
+                    return _FusedNormRope.apply(t, norm.weight, cos, sin, float(eps))
+                return _FusedRope.apply(t, cos, sin)
+            if norm is not None:
+                t = norm(t)
+            return orig(t.unsqueeze(1), freqs, config, None, mscale=mscale, cp_group=cp_group, **kw).squeeze(1)
+        if norm is not None:  # a deferred norm is never skipped
+            t = norm(t)
+        return orig(t, freqs, config, cu_seqlens, mscale=mscale, cp_group=cp_group, **kw)
+
+    apply_rotary_pos_emb._mgrpo_fast_rope = True
+    return apply_rotary_pos_emb
+
+
+def install_fast_rope() -> None:
+    """Wrap ``megatron.core.transformer.attention.apply_rotary_pos_emb`` (idempotent). The wrapper
+    changes nothing outside :func:`fast_rope_scope`."""
+    import megatron.core.transformer.attention as attn_mod
+
+    if not getattr(attn_mod.apply_rotary_pos_emb, "_mgrpo_fast_rope", False):
+        attn_mod.apply_rotary_pos_emb = _make_fast_rope(attn_mod.apply_rotary_pos_emb)

@@ -1,0 +1,154 @@
+"""model_bridge/modeling/rope.py: the fused q/k RMSNorm + RoPE kernels (Triton's interpreter on
+CPU tensors, and the GPU) against float64 eager math, and the wrapper's deferred-norm bookkeeping."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_grpo.testing.dist import run_ranks
+
+INTERPRETED = {"TRITON_INTERPRET": "1", "MGRPO_TRITON_GLU_CPU": "1"}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _reference(x, w, freqs, eps: float, go):
+    """float64: torch's RMSNorm over d, then megatron's unfused BSHD RoPE; (y, dx, dw)."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    xr = x.double().requires_grad_()
+    wr = w.double().requires_grad_()
+    n = torch.nn.functional.rms_norm(xr, (x.shape[-1],), wr, eps)
+    y = _apply_rotary_pos_emb_bshd(n.unsqueeze(1), freqs.double()).squeeze(1)
+    y.backward(go.double())
+    return y.detach(), xr.grad, wr.grad
+
+
+def _norm_rope_errors(device: str) -> dict:
+    """Relative errors of ``_FusedNormRope`` (y, dx, dw) against :func:`_reference`, per case."""
+    import model_bridge.modeling.rope as rp
+
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    # (T, heads, d): q-like and k-like head counts, T not a multiple of the backward's token block,
+    # a strided input (a view of a wider qkv buffer, as megatron's key is), and no tokens at all
+    for dtype in (torch.float32, torch.bfloat16):
+        for T, n, d, strided in ((37, 5, 16, False), (20, 32, 128, True), (3, 4, 128, True), (0, 4, 16, False)):
+            wide = (torch.randn(T, n + 3, d, generator=g) * 3).to(dtype)
+            x = wide[:, 1:n + 1] if strided else wide[:, :n].contiguous()
+            w = (1 + 0.3 * torch.randn(d, generator=g)).to(dtype)
+            freqs = torch.randn(T, 1, 1, d, generator=g) * 4
+            go = torch.randn(T, n, d, generator=g).to(dtype)
+            leaf = (wide if strided else x).to(device).clone().requires_grad_()
+            xx = leaf[:, 1:n + 1] if strided else leaf  # the kernel reads the view's strides
+            ww = w.to(device).clone().requires_grad_()
+            cos, sin = rp._cos_sin(freqs.to(device), 1.0)
+            y = rp._FusedNormRope.apply(xx, ww, cos, sin, 1e-6)
+            y.backward(go.to(device))
+            dx = leaf.grad[:, 1:n + 1] if strided else leaf.grad
+            ry, rdx, rdw = _reference(x, w, freqs, 1e-6, go)
+            key = f"{str(dtype).split('.')[-1]}-{T}x{n}x{d}{'-strided' if strided else ''}"
+            out[key] = 0.0 if T == 0 else max(_rel(y.cpu(), ry), _rel(dx.cpu(), rdx), _rel(ww.grad.cpu(), rdw))
+            if T == 0:
+                out[key] = float(ww.grad.abs().max())  # no tokens: a zero weight gradient
+    return out
+
+
+def _rank_norm_rope_interpreted():
+    import model_bridge.modeling.permute as pm
+    import model_bridge.modeling.rope as rp
+
+    if rp._triton_kernels() is None or not pm._TRITON_ON_CPU:
+        return None
+    return _norm_rope_errors("cpu")
+
+
+def _check(errs: dict) -> None:
+    for k, v in errs.items():  # fp32: rounding only; bf16: the output's and the norm's roundings
+        assert v < (1e-5 if k.startswith("float32") else 2e-2), f"{k}: {v:.2e}"
+
+
+def test_fused_norm_rope_kernels_interpreted():
+    pytest.importorskip("triton")
+    res = run_ranks(_rank_norm_rope_interpreted, 1, timeout=600, env=INTERPRETED)[0]
+    if res is None:
+        pytest.skip("Triton's interpreter is not usable here")
+    print(f"\n[q/k norm + rope, interpreted] {res}")
+    _check(res)
+
+
+@pytest.mark.gpu
+def test_fused_norm_rope_kernels_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    res = _norm_rope_errors("cuda")
+    print(f"\n[q/k norm + rope, GPU] {res}")
+    _check(res)
+
+
+# ------------------------------------------------------------------------------------------------
+# the wrapper: a deferred norm is applied exactly once, never skipped
+# ------------------------------------------------------------------------------------------------
+
+def _wrapper_and_inputs():
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    import model_bridge.modeling.rope as rp
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=2, kv_channels=16)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(9, 2, 16, generator=g)
+    freqs = torch.randn(9, 1, 1, 16, generator=g)
+    norm = torch.nn.RMSNorm(16, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1 + torch.randn(16, generator=g))
+    return rp, rp._make_fast_rope(apply_rotary_pos_emb), apply_rotary_pos_emb, cfg, x, freqs, norm
+
+
+class _OneRankCP:
+    """A context-parallel group of one rank (what megatron passes from ``pg_collection.cp``)."""
+
+    def size(self) -> int:
+        return 1
+
+    def rank(self) -> int:
+        return 0
+
+
+def test_deferred_norm_applied_before_unfused_rope():
+    """On CPU (no Triton): the wrapper applies the deferred norm, then megatron's RoPE; bit-equal
+    to doing the two in sequence, and the queue is emptied in order (q's norm, then k's)."""
+    rp, wrapped, orig, cfg, x, freqs, norm = _wrapper_and_inputs()
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    cp = _OneRankCP()
+    want = orig(norm(x).unsqueeze(1), freqs, cfg, None, cp_group=cp).squeeze(1)
+    other = torch.nn.RMSNorm(16, eps=1e-6)
+    pending = [norm, other]
+    with torch.no_grad(), rp.fast_rope_scope(pending):
+        got = wrapped(x, freqs, cfg, cu_seqlens=cu, cp_group=cp)
+        assert pending == [other]
+        wrapped(x, freqs, cfg, cu_seqlens=cu, cp_group=cp)
+    assert pending == []
+    assert torch.equal(got, want)
+
+
+def test_deferred_norm_left_unapplied_raises():
+    rp, _, _, _, _, _, norm = _wrapper_and_inputs()
+    with pytest.raises(RuntimeError, match=r"1 q/k norm\(s\) were deferred to the RoPE but no RoPE ran: "
+                                           r"set MGRPO_TRITON_QK_NORM_ROPE=0"):
+        with rp.fast_rope_scope([norm]):
+            pass
+
+
+def test_no_deferral_without_the_flag_or_for_other_norms(monkeypatch):
+    rp, _, _, cfg, _, _, norm = _wrapper_and_inputs()
+    monkeypatch.delenv("MGRPO_TRITON_QK_NORM_ROPE", raising=False)
+    assert not rp.defer_qk_norms(norm, norm, 16, cfg, on_device=True)  # off by default
+    monkeypatch.setenv("MGRPO_TRITON_QK_NORM_ROPE", "1")
+    assert not rp.defer_qk_norms(norm, norm, 16, cfg, on_device=False)  # CPU tensors, no interpreter
+    assert not rp.defer_qk_norms(torch.nn.LayerNorm(16), norm, 16, cfg, on_device=True)
+    assert not rp.defer_qk_norms(norm, norm, 32, cfg, on_device=True)  # norm over another width
