@@ -13,8 +13,10 @@ Shapes: ``T`` packed tokens, ``n`` heads (q or k), ``d`` head dim (``HALF = d //
   Qwen3 normalises every q and k head (RMSNorm over d) just before the RoPE; megatron runs the
   norm (one pass to write the normed copy, two in the backward) and the RoPE as separate kernels.
   Fused, q and k are read once and written once each way. The attention defers its q/k norms
-  (:func:`defer_qk_norms`) and this wrapper applies them; anything it cannot fuse gets the norm
-  module first, so a deferred norm is never skipped (the attention checks the queue is empty).
+  (:func:`defer_qk_norms` decides, :func:`deferring_qk_norms` does it: wherever megatron calls a
+  norm, it gets its input back and the norm joins a queue) and this wrapper pops and applies them
+  in order; anything it cannot fuse gets the norm module first, so a deferred norm is never
+  skipped, and one left in the queue at the end of the forward raises.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["install_fast_rope", "fast_rope_scope", "defer_qk_norms", "qk_norm_rope_wanted"]
+__all__ = ["install_fast_rope", "fast_rope_scope", "defer_qk_norms", "deferring_qk_norms", "qk_norm_rope_wanted"]
 
 _STATE = threading.local()
 
@@ -51,6 +53,31 @@ def fast_rope_scope(deferred_norms: Optional[list] = None):
     if deferred_norms:
         raise RuntimeError(f"{len(deferred_norms)} q/k norm(s) were deferred to the RoPE but no RoPE ran: "
                            f"set MGRPO_TRITON_QK_NORM_ROPE=0 and report this")
+
+
+class _DeferredNorm:
+    """Stands in for a q/k norm module during one attention forward: hands the input back
+    unchanged and queues the real norm for the next RoPE call (which fuses or applies it)."""
+
+    def __init__(self, norm, queue: list):
+        self.norm, self.queue = norm, queue
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.queue.append(self.norm)
+        return x
+
+
+@contextlib.contextmanager
+def deferring_qk_norms(attention, queue: list):
+    """Within the block, ``attention.q_layernorm`` / ``k_layernorm`` defer to the RoPE wherever
+    megatron calls them (instance attributes shadow the registered submodules, which stay as they
+    are for state dicts, hooks and checkpoints)."""
+    attention.__dict__["q_layernorm"] = _DeferredNorm(attention._modules["q_layernorm"], queue)
+    attention.__dict__["k_layernorm"] = _DeferredNorm(attention._modules["k_layernorm"], queue)
+    try:
+        yield
+    finally:
+        del attention.__dict__["q_layernorm"], attention.__dict__["k_layernorm"]
 
 
 def qk_norm_rope_wanted() -> bool:

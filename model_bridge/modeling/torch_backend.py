@@ -52,7 +52,7 @@ from .attention import PackedCoreAttention, packed_segments, varlen_kwargs
 from .ep_dispatch import DedupExchange
 from .experts import TorchGroupedMLP, grouped_mm_available
 from .permute import sort_by_expert, topk_indices, unsort_combine
-from .rope import defer_qk_norms, fast_rope_scope, install_fast_rope
+from .rope import defer_qk_norms, deferring_qk_norms, fast_rope_scope, install_fast_rope
 from .specs import _check_config, local_block_spec, register_backend
 from .thd import host_offsets, to_device_async
 
@@ -158,13 +158,12 @@ class TorchSelfAttention(SelfAttention):
     ``MGRPO_TRITON_QK_NORM_ROPE=1`` its q/k RMSNorms run inside the RoPE kernel (rope.py)."""
 
     def forward(self, *args, **kwargs):
-        deferred = [] if self._defer_norms(args, kwargs) else None
-        with fast_rope_scope(deferred):
-            self._deferred_norms = deferred
-            try:
+        if not self._defer_norms(args, kwargs):
+            with fast_rope_scope():
                 return super().forward(*args, **kwargs)
-            finally:
-                self._deferred_norms = None
+        queue: list = []
+        with fast_rope_scope(queue), deferring_qk_norms(self, queue):
+            return super().forward(*args, **kwargs)
 
     def _defer_norms(self, args, kwargs) -> bool:
         psp = kwargs.get("packed_seq_params")
@@ -175,19 +174,6 @@ class TorchSelfAttention(SelfAttention):
                 and self.config.context_parallel_size == 1 and hidden is not None
                 and defer_qk_norms(self.q_layernorm, self.k_layernorm, self.hidden_size_per_attention_head,
                                    self.config, hidden.is_cuda))
-
-    def get_query_key_value_tensors(self, *args, **kwargs):
-        deferred = getattr(self, "_deferred_norms", None)
-        if deferred is None:
-            return super().get_query_key_value_tensors(*args, **kwargs)
-        q_norm, k_norm = self.q_layernorm, self.k_layernorm
-        self.q_layernorm = self.k_layernorm = None  # megatron skips them; the RoPE applies them
-        try:
-            out = super().get_query_key_value_tensors(*args, **kwargs)
-        finally:
-            self.q_layernorm, self.k_layernorm = q_norm, k_norm
-        deferred.extend([q_norm, k_norm])  # megatron ropes the query first, then the key
-        return out
 
 
 # ------------------------------------------------------------------------------------------------

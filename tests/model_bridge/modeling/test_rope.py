@@ -152,3 +152,18 @@ def test_no_deferral_without_the_flag_or_for_other_norms(monkeypatch):
     assert not rp.defer_qk_norms(norm, norm, 16, cfg, on_device=False)  # CPU tensors, no interpreter
     assert not rp.defer_qk_norms(torch.nn.LayerNorm(16), norm, 16, cfg, on_device=True)
     assert not rp.defer_qk_norms(norm, norm, 32, cfg, on_device=True)  # norm over another width
+
+
+def test_deferring_qk_norms_shadows_and_restores():
+    """Inside the block the attention's q/k norms hand back their input and queue the real norms
+    (in call order); the registered submodules never change, and the block restores the attributes."""
+    rp, _, _, _, x, _, norm = _wrapper_and_inputs()
+    att = torch.nn.Module()
+    att.q_layernorm, att.k_layernorm = norm, torch.nn.RMSNorm(16)
+    keys = sorted(att.state_dict())
+    queue: list = []
+    with rp.deferring_qk_norms(att, queue):
+        assert att.q_layernorm(x) is x and att.k_layernorm(x) is x
+        assert queue == [att._modules["q_layernorm"], att._modules["k_layernorm"]]
+        assert sorted(att.state_dict()) == keys and att._modules["q_layernorm"] is norm
+    assert att.q_layernorm is norm and isinstance(att.k_layernorm, torch.nn.RMSNorm)
