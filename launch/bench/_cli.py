@@ -12,3 +12,16 @@ def bench_main(kind: str, add_parser, argv=None) -> int:
     add_parser(p.add_subparsers(dest="kind", required=True))
     args = p.parse_args([kind, *(sys.argv[1:] if argv is None else argv)])
     return int(args.func(args) or 0)
+
+
+def pyplot():
+    """``matplotlib.pyplot`` on the Agg backend, or None without matplotlib (the benches then
+    write their JSON only)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:  # noqa: BLE001 - no matplotlib: JSON only
+        return None
+    return plt

@@ -5,6 +5,7 @@ import json
 import statistics
 from pathlib import Path
 
+from launch.bench._cli import pyplot
 from launch.bench._layers_geometry import TARGET_EP_VS_EP1, TARGET_VS_CEILING, TARGET_VS_HF_BS1
 
 
@@ -37,12 +38,8 @@ def _ratios(res: dict) -> dict:
 
 
 def _plot(res: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception:  # noqa: BLE001 - no matplotlib: JSON only
+    plt = pyplot()
+    if plt is None:
         return
     s = res["systems"]
     order = ("ours", "ours_rc", "ours_qknr", "ours_mb", "ours_mb_rc", "ours_mb_qknr", "ours_full_rc", "hf_bs1", "hf_bs4",

@@ -5,6 +5,7 @@ import json
 import statistics
 from pathlib import Path
 
+from launch.bench._cli import pyplot
 from launch.bench._sync_common import GB, TARGET_GB, TARGET_SECONDS, TARGET_VS_RAW
 
 
@@ -60,12 +61,8 @@ def _print_summary(res: dict) -> None:
 
 
 def _plot(res: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception:  # noqa: BLE001 - no matplotlib: JSON only
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     names = ["raw", "raw_bucketed", "pipelined", "serial"]

@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-from launch.bench._cli import bench_main
+from launch.bench._cli import bench_main, pyplot
 
 __all__ = ["bench_config", "hf_tensor_specs", "write_checkpoint", "RssSampler", "run_bench", "add_parser"]
 
@@ -287,12 +287,8 @@ def _machine() -> dict:
 
 
 def _plot(results: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception:  # noqa: BLE001 - the PNG is optional
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(8, 4))
     for name in ("hf_to_mcore", "mcore_to_hf"):

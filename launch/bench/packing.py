@@ -48,7 +48,7 @@ import sys
 import time
 from pathlib import Path
 
-from launch.bench._cli import bench_main
+from launch.bench._cli import bench_main, pyplot
 from launch.bench.layers import DEFAULT_LENGTHS
 
 __all__ = ["sample_steps", "plan_ours", "plan_padded", "imbalance", "evaluate", "run_bench", "add_parser"]
@@ -220,12 +220,8 @@ def print_table(res: dict) -> None:
 
 
 def _plot(res: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception:  # noqa: BLE001 - no matplotlib: JSON only
+    plt = pyplot()
+    if plt is None:
         return
     methods = list(res["methods"])
     dps = [str(d) for d in res["config"]["dp"]]

@@ -125,14 +125,15 @@ def audio_window_cu_seqlens(feature_lens: torch.Tensor, n_window: int = 50,
 
 def dummy_audio_input(spec: OmniSpec, dtype: torch.dtype = torch.float32,
                       device: Optional[torch.device] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(features [M, 1] zeros, feature_lens [1]): the smallest valid clip (1 frame -> 1 token).
+    """(features [M, 1] zeros on ``device``, feature_lens [1] on the host, where the tower reads
+    it): the smallest valid clip (1 frame -> 1 token).
 
     For a micro-batch without audio: run the tower on it, multiply the output by zero and add it
     to the loss, so every parameter gets a (zero) gradient and every rank issues the same
     collectives. Zeros, not random values, so nothing non-finite can leak through ``0 * x``.
     """
     feats = torch.zeros(spec.audio.num_mel_bins, 1, dtype=dtype, device=device)
-    return feats, torch.ones(1, dtype=torch.long, device=device)
+    return feats, torch.ones(1, dtype=torch.long)
 
 
 def sinusoid_positions(length: int, channels: int, max_timescale: float = 10000.0) -> torch.Tensor:

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 
 from megatron.core.transformer.module import MegatronModule
 
-from .permute import _TRITON_ON_CPU  # the one switch for all our Triton kernels (tests only)
+from ._triton import import_triton, triton_runs_on
 from .recompute import ROWS_OF_ATTR, RecomputeSaved
 
 __all__ = ["TorchGroupedMLP", "grouped_linear", "grouped_mm_available", "expert_offsets", "weighted_glu"]
@@ -141,7 +141,7 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: Optional[torch.Tensor
 # ------------------------------------------------------------------------------------------------
 
 def _triton_glu_available(t: torch.Tensor) -> bool:
-    return (t.is_cuda or _TRITON_ON_CPU) and _triton_kernels() is not None
+    return triton_runs_on(t.is_cuda) and _triton_kernels() is not None
 
 
 
@@ -149,13 +149,9 @@ def _triton_glu_available(t: torch.Tensor) -> bool:
 @functools.lru_cache(maxsize=None)
 def _triton_kernels():
     """The fused weighted-SwiGLU kernels (one pass each way), or None without Triton."""
-    if os.environ.get("MGRPO_TRITON_GLU", "1") == "0":
+    if (mods := import_triton("MGRPO_TRITON_GLU")) is None:
         return None
-    try:
-        import triton
-        import triton.language as tl
-    except Exception:  # noqa: BLE001
-        return None
+    triton, tl = mods
 
     @triton.jit
     def fwd(h_ptr, p_ptr, out_ptr, N, F, stride_h, stride_o, HAS_P: tl.constexpr, BLOCK_M: tl.constexpr,

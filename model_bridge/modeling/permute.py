@@ -10,29 +10,22 @@ exchange (``ep_dispatch.py``), whose tables have empty slots (-1).
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import torch
 
+from ._triton import import_triton, triton_runs_on
 from .recompute import ROWS_OF_ATTR
 
 __all__ = ["gather_sum", "gather_rows", "sort_by_expert", "unsort_combine", "topk_indices"]
-
-_TRITON_ON_CPU = os.environ.get("TRITON_INTERPRET") == "1" and os.environ.get("MGRPO_TRITON_GLU_CPU") == "1"
-"""Tests only: run the Triton kernels through Triton's interpreter on CPU tensors."""
 
 
 @functools.lru_cache(maxsize=None)
 def _triton_gather_sum_kernel():
     """``out[t] = sum_j y[idx[t, j]]`` (fp32 accumulation), one pass; None without Triton."""
-    if os.environ.get("MGRPO_TRITON_GLU", "1") == "0":
+    if (mods := import_triton("MGRPO_TRITON_GLU")) is None:
         return None
-    try:
-        import triton
-        import triton.language as tl
-    except Exception:  # noqa: BLE001
-        return None
+    triton, tl = mods
 
     @triton.jit
     def gather_sum(y_ptr, idx_ptr, out_ptr, H, stride_y, stride_o, K: tl.constexpr, BLOCK_H: tl.constexpr):
@@ -56,7 +49,7 @@ def gather_sum(y: torch.Tensor, idx: torch.Tensor, k: int, has_empty: bool = Fal
     accumulated in fp32; one fused Triton pass on CUDA (no ``[T * k, h]`` temporary). With
     ``has_empty`` a negative index is an empty slot (adds nothing)."""
     n = idx.shape[0] // k
-    kern = _triton_gather_sum_kernel() if (y.is_cuda or _TRITON_ON_CPU) else None
+    kern = _triton_gather_sum_kernel() if triton_runs_on(y.is_cuda) else None
     if kern is None or y.dim() != 2:
         if has_empty:
             rows = y.index_select(0, idx.clamp(min=0)) * (idx >= 0).unsqueeze(-1).to(y.dtype)

@@ -28,6 +28,8 @@ from typing import Optional
 
 import torch
 
+from ._triton import import_triton, triton_runs_on
+
 __all__ = ["install_fast_rope", "fast_rope_scope", "defer_qk_norms", "deferring_qk_norms", "qk_norm_rope_wanted"]
 
 _STATE = threading.local()
@@ -88,13 +90,11 @@ def qk_norm_rope_wanted() -> bool:
 def defer_qk_norms(q_norm, k_norm, head_dim: int, config, on_device: bool) -> bool:
     """Whether the attention may leave its q/k norms to the RoPE: both plain ``torch.nn.RMSNorm``
     with a weight over the head dim, a RoPE the fused kernel covers, and the kernel runnable."""
-    from .permute import _TRITON_ON_CPU
-
     def plain(m) -> bool:
         return type(m) is torch.nn.RMSNorm and m.weight is not None and tuple(m.normalized_shape) == (head_dim,)
 
     half = head_dim // 2
-    return (qk_norm_rope_wanted() and (on_device or _TRITON_ON_CPU) and plain(q_norm) and plain(k_norm)
+    return (qk_norm_rope_wanted() and triton_runs_on(on_device) and plain(q_norm) and plain(k_norm)
             and head_dim % 2 == 0 and half & (half - 1) == 0
             and not getattr(config, "rotary_interleaved", False) and not getattr(config, "apply_rope_fusion", False)
             and not getattr(config, "multi_latent_attention", False) and _triton_kernels() is not None)
@@ -109,13 +109,9 @@ def _triton_kernels():
     """``(rope, norm_rope_fwd, norm_rope_bwd)`` Triton kernels; None without Triton or with
     ``MGRPO_TRITON_ROPE=0``. RoPE is megatron's non-interleaved halves form:
     ``y = x * cos + rotate_half(x) * sin``; its backward is the transpose rotation."""
-    if os.environ.get("MGRPO_TRITON_ROPE", "1") == "0":
+    if (mods := import_triton("MGRPO_TRITON_ROPE")) is None:
         return None
-    try:
-        import triton
-        import triton.language as tl
-    except Exception:  # noqa: BLE001
-        return None
+    triton, tl = mods
 
     @triton.jit
     def rope(x_ptr, cos_ptr, sin_ptr, o_ptr, n_heads, sx0, sx1, so0, so1, HALF: tl.constexpr,
@@ -258,7 +254,8 @@ def _norm_rope_bwd(g, x, w, cos, sin, eps: float) -> tuple[torch.Tensor, torch.T
     dx = torch.empty(T, n, d, dtype=x.dtype, device=x.device)
     bn = _head_block(n)
     grid = (triton.cdiv(T, _NORM_ROPE_BLOCK_T), triton.cdiv(n, bn))
-    dw_parts = torch.zeros(grid[0] * grid[1], d, dtype=torch.float32, device=x.device)
+    # every program writes its row; no programs (T = 0): a zero gradient
+    dw_parts = (torch.empty if T else torch.zeros)(grid[0] * grid[1], d, dtype=torch.float32, device=x.device)
     if T:
         _triton_kernels()[2][grid](g, x, w, cos, sin, dx, dw_parts, T, n, g.stride(0), g.stride(1),
                                    x.stride(0), x.stride(1), dx.stride(0), dx.stride(1), eps, HALF=d // 2,
@@ -318,10 +315,8 @@ def _cos_sin(freqs: torch.Tensor, mscale: float):
 
 
 def _fused_rope_ok(t: torch.Tensor, freqs: torch.Tensor, config) -> bool:
-    from .permute import _TRITON_ON_CPU
-
     d = t.shape[-1]
-    return ((t.is_cuda or _TRITON_ON_CPU) and freqs.shape[-1] == d and d % 2 == 0 and (d // 2) & (d // 2 - 1) == 0
+    return (triton_runs_on(t.is_cuda) and freqs.shape[-1] == d and d % 2 == 0 and (d // 2) & (d // 2 - 1) == 0
             and not getattr(config, "rotary_interleaved", False)
             and not getattr(config, "multi_latent_attention", False) and _triton_kernels() is not None)
 

@@ -196,8 +196,7 @@ class OmniThinker(MegatronModule):
         elif self.dummy_audio and self.audio_tower is not None:
             from .audio import dummy_audio_input
 
-            feats, _ = dummy_audio_input(self.spec, dtype=emb.dtype, device=emb.device)
-            lens = torch.ones(1, dtype=torch.long)  # on the host: the tower reads it there (no sync)
+            feats, lens = dummy_audio_input(self.spec, dtype=emb.dtype, device=emb.device)
             emb = emb + 0.0 * self.audio_tower(feats, lens).sum().to(emb.dtype)
         return emb
 

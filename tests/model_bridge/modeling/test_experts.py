@@ -179,7 +179,9 @@ def _rank_triton_glu_interpreted():
     import model_bridge.modeling.experts as ex
     import model_bridge.modeling.permute as pm
 
-    if ex._triton_kernels() is None or not ex._TRITON_ON_CPU:
+    from model_bridge.modeling._triton import TRITON_ON_CPU
+
+    if ex._triton_kernels() is None or not TRITON_ON_CPU:
         return None
     g = torch.Generator().manual_seed(0)
     out = {}

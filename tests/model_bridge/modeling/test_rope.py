@@ -58,10 +58,10 @@ def _norm_rope_errors(device: str) -> dict:
 
 
 def _rank_norm_rope_interpreted():
-    import model_bridge.modeling.permute as pm
     import model_bridge.modeling.rope as rp
+    from model_bridge.modeling._triton import TRITON_ON_CPU
 
-    if rp._triton_kernels() is None or not pm._TRITON_ON_CPU:
+    if rp._triton_kernels() is None or not TRITON_ON_CPU:
         return None
     return _norm_rope_errors("cpu")
 
