@@ -2,7 +2,7 @@
 weights (copied into ours), and its fwd+bwd step (``hf_bs1`` / ``hf_bs4``)."""
 from __future__ import annotations
 
-from launch.bench._layers_timing import _alloc_gib, _backward, _peak_gib, _time_steps
+from launch.bench._layers_timing import _alloc_gib, _backward, _peak_gib, _time_steps, bench_loss
 
 
 def _hf_classes():
@@ -73,6 +73,8 @@ def run_hf(model, ids: list, probe, device, batch: int, warmup: int, iters: int,
     for grp in groups:
         padded += max(lens[i] for i in grp) * len(grp)
 
+    probe_lo = probe.to(next(model.parameters()).dtype)
+
     def step(keep=False, trace=None):
         model.zero_grad(set_to_none=True)
         outs = {}
@@ -81,14 +83,14 @@ def run_hf(model, ids: list, probe, device, batch: int, warmup: int, iters: int,
             L = max(lens[i] for i in grp)
             inp = torch.zeros(len(grp), L, dtype=torch.long, device=device)
             mask = torch.zeros(len(grp), L, dtype=torch.long, device=device)
-            pr = torch.zeros(len(grp), L, probe.shape[1], device=device)
+            pr = torch.zeros(len(grp), L, probe.shape[1], dtype=probe_lo.dtype, device=device)
             for j, i in enumerate(grp):
                 inp[j, :lens[i]] = ids[i]
                 mask[j, :lens[i]] = 1
-                pr[j, :lens[i]] = probe[starts[i]:starts[i + 1]]
+                pr[j, :lens[i]] = probe_lo[starts[i]:starts[i + 1]]
             kw = {} if len(grp) == 1 else {"attention_mask": mask}
             out = model(input_ids=inp, use_cache=False, **kw).last_hidden_state
-            loss = (out.float() * pr).sum()
+            loss = bench_loss(out, pr)
             _backward(loss, device, trace, sum(lens[i] for i in grp), a)
             if keep:
                 for j, i in enumerate(grp):

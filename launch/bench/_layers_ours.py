@@ -5,22 +5,22 @@ from __future__ import annotations
 import contextlib
 import os
 
-from launch.bench._layers_timing import _alloc_gib, _backward, _count_syncs, _peak_gib, _profile, _time_steps
+from launch.bench._layers_timing import _alloc_gib, _backward, _count_syncs, _peak_gib, _profile, _time_steps, bench_loss
 
 
 OUR_SYSTEMS = {
-    "ours": ("torch", False, "none", False),
-    "ours_rc": ("torch", False, "experts", False),
-    "ours_mb": ("torch", True, "none", False),
-    "ours_mb_rc": ("torch", True, "experts", False),
-    "ours_full_rc": ("torch", False, "full", False),
-    "ours_qknr": ("torch", False, "none", True),
-    "ours_mb_qknr": ("torch", True, "none", True),
+    "ours": ("torch", False, "none", True),
+    "ours_rc": ("torch", False, "experts", True),
+    "ours_mb": ("torch", True, "none", True),
+    "ours_mb_rc": ("torch", True, "experts", True),
+    "ours_full_rc": ("torch", False, "full", True),
+    "ours_sepqkn": ("torch", False, "none", False),
+    "ours_mb_sepqkn": ("torch", True, "none", False),
     "mcore_local": ("local", False, "none", False),
 }
 """Megatron systems of the bench: name -> (layer-spec backend, micro-batches of ``--mb-tokens``
 (else the whole batch in one), ``build_thinker``'s ``recompute``, q/k RMSNorm fused into the RoPE
-kernel: ``MGRPO_TRITON_QK_NORM_ROPE=1`` while the system runs, model/rope.py)."""
+kernel (the default; ``MGRPO_TRITON_QK_NORM_ROPE`` is set to 1 or 0 while the system runs, modeling/rope.py))."""
 
 
 @contextlib.contextmanager
@@ -61,10 +61,11 @@ def build_megatron(spec, ep: int, backend: str, dtype, device, tensors: dict, re
 
 
 def _rms_norm(x, w, eps: float = 1e-6):
+    """The final RMSNorm as our model runs it (megatron's torch norm: ``F.rms_norm``, one fused
+    kernel each way); an eager fp32 norm here cost ~1 ms of a 2-layer step in casts and multiplies."""
     import torch
 
-    xf = x.float()
-    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), w, eps)
 
 
 def _micro_batches(spec, ids: list, probe, device, groups: list[list[int]] | None = None) -> list[tuple]:
@@ -125,6 +126,8 @@ def run_ours(model, spec, ids: list, probe, norm_w, device, warmup: int, iters: 
     import torch
 
     mbs = _micro_batches(spec, ids, probe, device, groups)
+    dtype = next(model.parameters()).dtype
+    probes_lo = [(probe if mb[5] is None else probe.index_select(0, mb[5])).to(dtype) for mb in mbs]
     counts = []
     hooks = []
     if capture_counts:
@@ -141,12 +144,11 @@ def run_ours(model, spec, ids: list, probe, norm_w, device, warmup: int, iters: 
         model.zero_grad(set_to_none=True)
         norm_w.grad = None
         outs = {}
-        for mb in mbs:
-            grp, lens, rows = mb[0], mb[1], mb[5]
+        for mb, pr in zip(mbs, probes_lo):
+            grp, lens = mb[0], mb[1]
             a = _alloc_gib(device) if trace is not None else None
             out = _forward_mb(model, mb, norm_w)
-            pr = probe if rows is None else probe.index_select(0, rows)
-            loss = (out.float() * pr).sum()
+            loss = bench_loss(out, pr)
             _backward(loss, device, trace, sum(lens), a)
             if keep:
                 off = 0

@@ -145,8 +145,8 @@ def _rank_run(out: Path, layers, tokens, ep, tiny, systems, warmup, iters, seed,
         profile = None
         if name == "ours":
             profile = out / (f"bench_layers_ep{ep}_profile_rank{rank}.txt" if ep > 1 else "bench_layers_profile.txt")
-        elif name == "ours_mb":
-            profile = out / "bench_layers_profile_ours_mb.txt"
+        elif name in ("ours_mb", "ours_sepqkn"):
+            profile = out / f"bench_layers_profile_{name}.txt"
         with armed(f"{name}: first step, {warmup} warm-up and {n_it} timed fwd+bwd steps"
                    + (", profile" if profile is not None and device.type == "cuda" else "")), \
                 qk_norm_rope_env(qk_norm_rope):

@@ -42,7 +42,7 @@ def _plot(res: dict, path: Path) -> None:
     if plt is None:
         return
     s = res["systems"]
-    order = ("ours", "ours_rc", "ours_qknr", "ours_mb", "ours_mb_rc", "ours_mb_qknr", "ours_full_rc", "hf_bs1", "hf_bs4",
+    order = ("ours", "ours_rc", "ours_sepqkn", "ours_mb", "ours_mb_rc", "ours_mb_sepqkn", "ours_full_rc", "hf_bs1", "hf_bs4",
              "mcore_local")
     names = [n for n in order if n in s] + [n for n in s if n not in order]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))

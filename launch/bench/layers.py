@@ -10,8 +10,9 @@ What runs (one process, one GPU; all systems get the same weights and the same t
 * **ours_rc**, **ours_mb_rc**: ``ours`` / ``ours_mb`` built with ``recompute="experts"`` (the
   experts' sorted input rows and SwiGLU output recomputed in the backward, ``modeling/recompute.py``);
   **ours_full_rc**: ``recompute="full"`` (megatron's full recomputation of every layer);
-* **ours_qknr**, **ours_mb_qknr**: ``ours`` / ``ours_mb`` with the q/k RMSNorms fused into the
-  RoPE kernel (``MGRPO_TRITON_QK_NORM_ROPE=1`` while they run, ``modeling/rope.py``);
+* **ours_sepqkn**, **ours_mb_sepqkn**: ``ours`` / ``ours_mb`` with the q/k RMSNorms run as separate
+  kernels (``MGRPO_TRITON_QK_NORM_ROPE=0`` while they run; every other ``ours*`` fuses them into the
+  RoPE kernel, ``modeling/rope.py``);
 * **hf_bs1**: transformers' ``Qwen3OmniMoeThinkerTextModel`` (sdpa attention, ``grouped_mm``
   experts), one sample at a time (what users with batch size 1 run), gradients accumulated;
 * **hf_bs4**: the same model on right-padded batches of 4 samples (in batch order);
@@ -26,7 +27,8 @@ What runs (one process, one GPU; all systems get the same weights and the same t
 Geometry: Qwen3-Omni-30B-A3B's thinker (hidden 2048, 32 query / 4 KV heads of 128, 128 experts
 top-8 of width 768, vocab 152064, RMSNorm eps 1e-6, interleaved MRoPE) with ``--layers`` layers;
 token embedding in front, the final RMSNorm behind (no LM head); the loss is
-``sum(final_hidden * R)`` with a fixed random ``R`` over real tokens (the same for every system).
+``sum(final_hidden * R)`` with a fixed random ``R`` over real tokens, the product in bf16 summed in
+fp32 (``_layers_timing.bench_loss``, the same for every system).
 Router aux loss as in training (megatron: coefficient 0.001).
 
 Batch (``DEFAULT_LENGTHS``, documented): 16 multi-turn audio-agent trajectories of 376-2,814
@@ -47,7 +49,8 @@ tok/s counts real tokens only.
 
 Outputs under ``--out``: ``bench_layers.json`` (every number, the environment, the commands),
 ``bench_layers.png`` (tok/s, TFLOP/s with the ceiling, peak memory), ``bench_layers_profile.txt``
-(torch profiler table of one step of ours, where the time goes).
+(torch profiler tables of one step of ours, where the time goes, by kernel, host time and input
+shapes; ``ours_sepqkn`` and ``ours_mb`` get ``bench_layers_profile_{name}.txt``).
 
 Targets: ours >= 1.8x HF bs1 useful tok/s, >= 85% of the kernel ceiling, peak memory <= HF's.
 
@@ -166,9 +169,9 @@ def add_parser(bsub) -> argparse.ArgumentParser:
                         "own micro-batch each: per-GPU throughput, ratio to EP1, per-rank loss check)")
     s.add_argument("--out", default="bench_results/layers", help="results directory (JSON, PNG, profile)")
     s.add_argument("--systems", default="ours,ours_mb,hf_bs1,hf_bs4,mcore_local",
-                   help="comma-separated subset of ours,ours_rc,ours_mb,ours_mb_rc,ours_full_rc,ours_qknr,"
-                        "ours_mb_qknr,hf_bs1,hf_bs4,mcore_local (_rc: recompute the experts' activations, "
-                        "_full_rc: megatron's full recomputation, _qknr: q/k RMSNorm fused into the RoPE)")
+                   help="comma-separated subset of ours,ours_rc,ours_mb,ours_mb_rc,ours_full_rc,ours_sepqkn,"
+                        "ours_mb_sepqkn,hf_bs1,hf_bs4,mcore_local (_rc: recompute the experts' activations, "
+                        "_full_rc: megatron's full recomputation, _sepqkn: q/k RMSNorms not fused into the RoPE)")
     s.add_argument("--mb-tokens", type=int, default=4096,
                    help="token budget of the micro-batches of ours_mb (same batch, packed into several "
                         "micro-batches with gradient accumulation: memory vs throughput)")

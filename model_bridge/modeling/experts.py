@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
 from ._triton import import_triton, triton_runs_on
+from .permute import select_rows
 from .recompute import ROWS_OF_ATTR, RecomputeSaved
 
 __all__ = ["TorchGroupedMLP", "grouped_linear", "grouped_mm_available", "expert_offsets", "weighted_glu"]
@@ -419,7 +420,7 @@ class TorchGroupedMLP(MegatronModule):
         if rows_of is None:
             return contextlib.nullcontext()
         src, rows = rows_of
-        return RecomputeSaved(x, lambda: src.index_select(0, rows))
+        return RecomputeSaved(x, lambda: select_rows(src, rows))
 
     def _recompute_glu(self, a: torch.Tensor, h: torch.Tensor, probs: Optional[torch.Tensor]):
         """Save the recipe ``swiglu(h) * probs`` instead of its output ``a`` (the SwiGLU node keeps

@@ -17,7 +17,7 @@ import torch
 from ._triton import import_triton, triton_runs_on
 from .recompute import ROWS_OF_ATTR
 
-__all__ = ["gather_sum", "gather_rows", "sort_by_expert", "unsort_combine", "topk_indices"]
+__all__ = ["gather_sum", "gather_rows", "select_rows", "sort_by_expert", "unsort_combine", "topk_indices"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -69,10 +69,62 @@ def gather_sum(y: torch.Tensor, idx: torch.Tensor, k: int, has_empty: bool = Fal
 
 
 
+@functools.lru_cache(maxsize=None)
+def _triton_select_rows_kernel():
+    """``out[r] = x[idx[r]]``, ``BLOCK_R`` rows x ``BLOCK_H`` columns per program; None without Triton."""
+    if (mods := import_triton("MGRPO_TRITON_GLU")) is None:
+        return None
+    triton, tl = mods
+
+    @triton.jit
+    def select_rows(x_ptr, idx_ptr, out_ptr, n, H, stride_x, stride_o, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        rm = r < n
+        src = tl.load(idx_ptr + r, mask=rm, other=0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        m = rm[:, None] & (cols < H)[None, :]
+        v = tl.load(x_ptr + src[:, None] * stride_x + cols[None, :], mask=m)
+        tl.store(out_ptr + r.to(tl.int64)[:, None] * stride_o + cols[None, :], v, mask=m)
+
+    return select_rows
+
+
+_SELECT_BLOCK_R, _SELECT_BLOCK_H = 8, 512
+"""Rows and columns per program of the row gather: a program per row (2 KB) left ``index_select``'s
+182k-row gathers at ~2.3 TB/s on an H200; ~4k elements per program amortise the scheduling."""
+
+
+def select_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``x.index_select(0, rows)`` (bit-identical, a plain copy): one Triton pass on CUDA
+    (``index_select`` of 182k rows of 2048 bf16 ran at about half the copy bandwidth of an H200)."""
+    kern = _triton_select_rows_kernel() if x.dim() == 2 and triton_runs_on(x.is_cuda) else None
+    if kern is None:
+        return x.index_select(0, rows)
+    import triton
+
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    n, H = rows.shape[0], x.shape[1]
+    out = torch.empty(n, H, dtype=x.dtype, device=x.device)
+    if n:
+        block_h = min(_SELECT_BLOCK_H, triton.next_power_of_2(H))
+        kern[(triton.cdiv(n, _SELECT_BLOCK_R), triton.cdiv(H, block_h))](
+            x, rows.contiguous(), out, n, H, x.stride(0), out.stride(0), BLOCK_R=_SELECT_BLOCK_R, BLOCK_H=block_h,
+            num_warps=4)
+    return out
+
+
 def topk_indices(routing_map: torch.Tensor, topk: int) -> torch.Tensor:
-    """int64 ``[T, k]``: the experts each token is routed to (any order), from a ``[T, E]`` bool map
-    with exactly ``k`` True per row (dropless top-k routing)."""
-    return torch.topk(routing_map.to(torch.int8), topk, dim=1, sorted=False).indices
+    """int64 ``[T, k]``: the experts each token is routed to, ascending, from a ``[T, E]`` bool map
+    with exactly ``k`` True per row (dropless top-k routing). No top-k (a ``[T, E]`` top-k costs
+    ~150 us per layer at 22.8k tokens on an H200): an expert's column is its rank among the row's
+    routed experts (a row cumsum), and one scatter puts it there."""
+    T, E = routing_map.shape
+    col_TE = routing_map.to(torch.int32).cumsum(1, dtype=torch.int32) - 1
+    # experts a token is not routed to go to a spill column ``k``, written many times and dropped
+    col_TE = torch.where(routing_map, col_TE, topk).long()
+    out_TK1 = torch.empty(T, topk + 1, dtype=torch.long, device=routing_map.device)
+    out_TK1.scatter_(1, col_TE, torch.arange(E, device=routing_map.device).expand(T, E))
+    return out_TK1[:, :topk].contiguous()
 
 
 class _GatherRows(torch.autograd.Function):
@@ -83,7 +135,7 @@ class _GatherRows(torch.autograd.Function):
     def forward(ctx, x, src_rows, inv, k, has_empty=False):
         ctx.save_for_backward(inv)
         ctx.k, ctx.has_empty = k, has_empty
-        return x.index_select(0, src_rows)
+        return select_rows(x, src_rows)
 
     @staticmethod
     def backward(ctx, grad):
@@ -113,7 +165,7 @@ class _CombineRows(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (src_rows,) = ctx.saved_tensors
-        return grad.contiguous().index_select(0, src_rows), None, None, None, None
+        return select_rows(grad.contiguous(), src_rows), None, None, None, None
 
 
 def sort_by_expert(tokens: torch.Tensor, topk_idx: torch.Tensor, probs: Optional[torch.Tensor] = None

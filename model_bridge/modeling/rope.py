@@ -9,7 +9,8 @@ Shapes: ``T`` packed tokens, ``n`` heads (q or k), ``d`` head dim (``HALF = d //
   samples with ``.tolist()``/``.item()``) *is* the BSHD RoPE over the buffer: the wrapper applies it
   in one Triton pass each way on CUDA (:class:`_FusedRope`; ``MGRPO_TRITON_ROPE=0`` falls back to
   megatron's unfused BSHD RoPE), with no host sync.
-* q/k RMSNorm fused into the RoPE (:class:`_FusedNormRope`, opt-in: ``MGRPO_TRITON_QK_NORM_ROPE=1``):
+* q/k RMSNorm fused into the RoPE (:class:`_FusedNormRope`, on by default where the RoPE kernel runs;
+  ``MGRPO_TRITON_QK_NORM_ROPE=0`` runs the norms separately; 1.6 ms of a 48.7 ms 2-layer step on an H200):
   Qwen3 normalises every q and k head (RMSNorm over d) just before the RoPE; megatron runs the
   norm (one pass to write the normed copy, two in the backward) and the RoPE as separate kernels.
   Fused, q and k are read once and written once each way. The attention defers its q/k norms
@@ -57,14 +58,18 @@ def fast_rope_scope(deferred_norms: Optional[list] = None):
                            f"set MGRPO_TRITON_QK_NORM_ROPE=0 and report this")
 
 
-class _DeferredNorm:
+class _DeferredNorm(torch.nn.Module):
     """Stands in for a q/k norm module during one attention forward: hands the input back
-    unchanged and queues the real norm for the next RoPE call (which fuses or applies it)."""
+    unchanged and queues the real norm for the next RoPE call (which fuses or applies it).
+    A module because megatron >= 0.19 checks what it calls (``typed_torch.apply_module``); the
+    norm and queue are plain attributes, so the real norm never becomes its child."""
 
     def __init__(self, norm, queue: list):
-        self.norm, self.queue = norm, queue
+        super().__init__()
+        object.__setattr__(self, "norm", norm)
+        object.__setattr__(self, "queue", queue)
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.queue.append(self.norm)
         return x
 
@@ -83,8 +88,8 @@ def deferring_qk_norms(attention, queue: list):
 
 
 def qk_norm_rope_wanted() -> bool:
-    """``MGRPO_TRITON_QK_NORM_ROPE=1`` (off by default until measured on the GPU)."""
-    return os.environ.get("MGRPO_TRITON_QK_NORM_ROPE", "0") == "1"
+    """On unless ``MGRPO_TRITON_QK_NORM_ROPE=0`` (measured faster on an H200: docs/performance.md)."""
+    return os.environ.get("MGRPO_TRITON_QK_NORM_ROPE", "1") != "0"
 
 
 def defer_qk_norms(q_norm, k_norm, head_dim: int, config, on_device: bool) -> bool:
@@ -164,53 +169,53 @@ def _triton_kernels():
         tl.store(op + HALF, (n2 * c2 + n1 * s2).to(o_ptr.dtype.element_ty), mask=hm)
 
     @triton.jit
-    def norm_rope_bwd(g_ptr, x_ptr, w_ptr, cos_ptr, sin_ptr, dx_ptr, dwp_ptr, T, n_heads, sg0, sg1, sx0, sx1,
-                      sd0, sd1, eps, HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
-        # one program: BLOCK_T tokens x BLOCK_N heads; its partial weight gradient goes to one
-        # row of dwp [programs, 2 * HALF] (summed by the caller: no atomics, deterministic)
-        heads = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        d = tl.arange(0, HALF)
-        w1 = tl.load(w_ptr + d).to(tl.float32)[None, :]
-        w2 = tl.load(w_ptr + HALF + d).to(tl.float32)[None, :]
-        dw1 = tl.zeros([HALF], dtype=tl.float32)
-        dw2 = tl.zeros([HALF], dtype=tl.float32)
-        for i in range(BLOCK_T):
-            t = tl.program_id(0).to(tl.int64) * BLOCK_T + i
-            m = ((heads < n_heads) & (heads * 0 + t < T))[:, None]  # a real head of a real token
-            tc = tl.minimum(t, T - 1)  # past the end: any angle (its gradient and x load as 0)
-            c1 = tl.load(cos_ptr + tc * (2 * HALF) + d)[None, :]
-            c2 = tl.load(cos_ptr + tc * (2 * HALF) + HALF + d)[None, :]
-            s1 = tl.load(sin_ptr + tc * (2 * HALF) + d)[None, :]
-            s2 = tl.load(sin_ptr + tc * (2 * HALF) + HALF + d)[None, :]
-            gp = g_ptr + t * sg0 + heads[:, None] * sg1 + d[None, :]
-            g1 = tl.load(gp, mask=m, other=0.0).to(tl.float32)
-            g2 = tl.load(gp + HALF, mask=m, other=0.0).to(tl.float32)
-            xp = x_ptr + t * sx0 + heads[:, None] * sx1 + d[None, :]
-            x1 = tl.load(xp, mask=m, other=0.0).to(tl.float32)
-            x2 = tl.load(xp + HALF, mask=m, other=0.0).to(tl.float32)
-            dn1 = g1 * c1 + g2 * s2  # the RoPE's transpose rotation: gradient of the normed x
-            dn2 = g2 * c2 - g1 * s1
-            r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
-            xh1 = x1 * r
-            xh2 = x2 * r
-            dw1 += tl.sum(dn1 * xh1, 0)
-            dw2 += tl.sum(dn2 * xh2, 0)
-            gw1 = dn1 * w1
-            gw2 = dn2 * w2
-            dot = ((tl.sum(gw1 * xh1, 1) + tl.sum(gw2 * xh2, 1)) / (2 * HALF))[:, None]
-            dp = dx_ptr + t * sd0 + heads[:, None] * sd1 + d[None, :]
-            tl.store(dp, (r * (gw1 - xh1 * dot)).to(dx_ptr.dtype.element_ty), mask=m)
-            tl.store(dp + HALF, (r * (gw2 - xh2 * dot)).to(dx_ptr.dtype.element_ty), mask=m)
-        row = dwp_ptr + (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * (2 * HALF)
-        tl.store(row + d, dw1)
-        tl.store(row + HALF + d, dw2)
+    def norm_rope_bwd(g_ptr, x_ptr, w_ptr, cos_ptr, sin_ptr, dx_ptr, dwp_ptr, n_rows, n_heads, sg0, sg1, sx0, sx1,
+                      sd0, sd1, eps, HALF: tl.constexpr, BLOCK_R: tl.constexpr):
+        # one program: BLOCK_R (token, head) rows at once (no serial loop: all its loads are in
+        # flight together); its partial weight gradient goes to row ``pid`` of dwp [programs, 2 * HALF]
+        # (summed by the caller: no atomics, deterministic)
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+        rm = rows < n_rows
+        t = tl.where(rm, rows // n_heads, 0).to(tl.int64)  # past the end: token 0's angles, g and x load as 0
+        h = (rows % n_heads).to(tl.int64)[:, None]
+        m = rm[:, None]
+        d = tl.arange(0, HALF)[None, :]
+        cb = cos_ptr + t[:, None] * (2 * HALF) + d
+        sb = sin_ptr + t[:, None] * (2 * HALF) + d
+        c1 = tl.load(cb)
+        c2 = tl.load(cb + HALF)
+        s1 = tl.load(sb)
+        s2 = tl.load(sb + HALF)
+        w1 = tl.load(w_ptr + d).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + d).to(tl.float32)
+        gp = g_ptr + t[:, None] * sg0 + h * sg1 + d
+        g1 = tl.load(gp, mask=m, other=0.0).to(tl.float32)
+        g2 = tl.load(gp + HALF, mask=m, other=0.0).to(tl.float32)
+        xp = x_ptr + t[:, None] * sx0 + h * sx1 + d
+        x1 = tl.load(xp, mask=m, other=0.0).to(tl.float32)
+        x2 = tl.load(xp + HALF, mask=m, other=0.0).to(tl.float32)
+        dn1 = g1 * c1 + g2 * s2  # the RoPE's transpose rotation: gradient of the normed x
+        dn2 = g2 * c2 - g1 * s1
+        r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+        xh1 = x1 * r
+        xh2 = x2 * r
+        row = dwp_ptr + tl.program_id(0).to(tl.int64) * (2 * HALF) + tl.arange(0, HALF)
+        tl.store(row, tl.sum(dn1 * xh1, 0))
+        tl.store(row + HALF, tl.sum(dn2 * xh2, 0))
+        gw1 = dn1 * w1
+        gw2 = dn2 * w2
+        dot = ((tl.sum(gw1 * xh1, 1) + tl.sum(gw2 * xh2, 1)) / (2 * HALF))[:, None]
+        dp = dx_ptr + t[:, None] * sd0 + h * sd1 + d
+        tl.store(dp, (r * (gw1 - xh1 * dot)).to(dx_ptr.dtype.element_ty), mask=m)
+        tl.store(dp + HALF, (r * (gw2 - xh2 * dot)).to(dx_ptr.dtype.element_ty), mask=m)
 
     return rope, norm_rope_fwd, norm_rope_bwd
 
 
-_NORM_ROPE_BLOCK_T = 16
-"""Tokens per program of the fused norm+RoPE backward: the weight-gradient partials are
-``ceil(T / 16) * head blocks`` rows of d floats (~1.5 MB at 22.8k tokens), summed once."""
+_NORM_ROPE_BLOCK_ROWS = 64
+"""(token, head) rows per program of the fused norm+RoPE backward: the weight-gradient partials
+are ``ceil(T * n / 64)`` rows of d floats (5.8 MB for q at 22.8k tokens x 32 heads), summed once.
+(A program per 16 tokens x 16 heads looping over its tokens ran at ~40% of the copy bandwidth.)"""
 
 
 def _head_block(n: int) -> int:
@@ -252,14 +257,13 @@ def _norm_rope_bwd(g, x, w, cos, sin, eps: float) -> tuple[torch.Tensor, torch.T
     g = g if g.stride(-1) == 1 else g.contiguous()
     T, n, d = x.shape
     dx = torch.empty(T, n, d, dtype=x.dtype, device=x.device)
-    bn = _head_block(n)
-    grid = (triton.cdiv(T, _NORM_ROPE_BLOCK_T), triton.cdiv(n, bn))
+    programs = triton.cdiv(T * n, _NORM_ROPE_BLOCK_ROWS)
     # every program writes its row; no programs (T = 0): a zero gradient
-    dw_parts = (torch.empty if T else torch.zeros)(grid[0] * grid[1], d, dtype=torch.float32, device=x.device)
+    dw_parts = (torch.empty if T else torch.zeros)(max(programs, 1), d, dtype=torch.float32, device=x.device)
     if T:
-        _triton_kernels()[2][grid](g, x, w, cos, sin, dx, dw_parts, T, n, g.stride(0), g.stride(1),
-                                   x.stride(0), x.stride(1), dx.stride(0), dx.stride(1), eps, HALF=d // 2,
-                                   BLOCK_N=bn, BLOCK_T=_NORM_ROPE_BLOCK_T, num_warps=4)
+        _triton_kernels()[2][(programs,)](g, x, w, cos, sin, dx, dw_parts, T * n, n, g.stride(0), g.stride(1),
+                                          x.stride(0), x.stride(1), dx.stride(0), dx.stride(1), eps, HALF=d // 2,
+                                          BLOCK_R=_NORM_ROPE_BLOCK_ROWS, num_warps=4)
     return dx, dw_parts.sum(0).to(w.dtype)
 
 

@@ -33,7 +33,7 @@ from megatron.core.transformer.module import MegatronModule
 from model_bridge.config import OmniSpec, ParallelLayout, check_layout, padded_vocab_size, thinker_transformer_config
 
 from .mrope import InterleavedMRoPE, mrope_position_ids
-from .specs import thinker_layer_spec
+from .specs import resolve_backend, thinker_layer_spec
 
 from .thd import attach_host_offsets, host_offsets, to_device_async
 
@@ -130,6 +130,13 @@ class OmniThinker(MegatronModule):
             kw["vp_stage"] = vp_stage
         self.language_model = GPTModel(**kw)
         self.language_model.rotary_pos_emb = InterleavedMRoPE(kv_channels=t.head_dim, rotary_base=t.rope_theta)
+        if resolve_backend(backend) == "torch":  # the torch backend's kernels outside the layer spec
+            from .embedding import use_sorted_embedding_backward
+            from .norm import use_fast_rms_norms
+
+            use_fast_rms_norms(self.language_model)
+            if pre_process:
+                use_sorted_embedding_backward(self.language_model.embedding.word_embeddings)
 
         self.audio_tower = None
         if pre_process and build_audio:

@@ -14,18 +14,21 @@ local spec (same modules, same parameter names outside the experts) with four re
   with per-token rotary angles for all T packed tokens (our MRoPE) and no context parallelism, THD RoPE
   *is* the BSHD RoPE over the buffer, which runs with no host sync; on CUDA it is one fused Triton
   pass each way (:mod:`.rope`; ``MGRPO_TRITON_ROPE=0`` falls back to megatron's unfused BSHD RoPE;
-  ``MGRPO_TRITON_QK_NORM_ROPE=1`` also fuses the q/k RMSNorms into it);
+  the q/k RMSNorms are fused into it unless ``MGRPO_TRITON_QK_NORM_ROPE=0``);
 * MoE layer: :class:`TorchMoELayer`, megatron's ``MoELayer`` whose all-to-all dispatcher permutes with
   :func:`~model_bridge.modeling.experts.sort_by_expert` (same order as megatron's permute, one argsort
   over ``T * k`` pairs, gathers both ways, fp32 sum over each token's k expert outputs, fused into one
   Triton gather-sum on CUDA) instead of an argsort over ``T * E`` and a bf16 ``scatter_add``, and that
   skips megatron's "permutation 2" chunk sort when it is the identity (one EP and one expert-TP rank:
   otherwise a ``torch.cat`` copy of every routed row, both ways); any configuration that path does not
-  cover (capacity factor, padding, fused permute, shared experts) keeps megatron's;
+  cover (capacity factor, padding, fused permute, shared experts) keeps megatron's; its router is a
+  :class:`~model_bridge.modeling.router.ReusingTopKRouter` (the aux loss reuses the routing's top-k);
 * experts: :class:`~model_bridge.modeling.experts.TorchGroupedMLP` (``grouped_mm``).
 
-Everything else (the EP all-to-all, ETP all-gather / reduce-scatter, router, aux loss, norms,
-linears) is megatron's. On CPU or in fp32 the same modules fall back to the reference math
+With this backend the thinker also switches (same modules, class swapped, CUDA only) its word
+embedding to a sorted-segment weight gradient (:mod:`.embedding`) and its hidden-size RMSNorms to
+one Triton pass each way (:mod:`.norm`). Everything else (the EP all-to-all, ETP all-gather /
+reduce-scatter, router GEMM, aux loss, linears) is megatron's. On CPU or in fp32 the same modules fall back to the reference math
 (per-segment SDPA, the grouped_mm CPU kernel or a per-expert loop), which is what the CPU tests
 check against the ``"local"`` spec.
 
@@ -46,12 +49,14 @@ import torch
 
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
 from .attention import PackedCoreAttention, packed_segments, varlen_kwargs
 from .ep_dispatch import DedupExchange
 from .experts import TorchGroupedMLP, grouped_mm_available
 from .permute import sort_by_expert, topk_indices, unsort_combine
+from .router import ReusingTopKRouter
 from .rope import defer_qk_norms, deferring_qk_norms, fast_rope_scope, install_fast_rope
 from .specs import _check_config, local_block_spec, register_backend
 from .thd import host_offsets, to_device_async
@@ -154,8 +159,8 @@ class TorchCoreAttention(PackedCoreAttention):
 # ------------------------------------------------------------------------------------------------
 
 class TorchSelfAttention(SelfAttention):
-    """megatron ``SelfAttention`` whose packed RoPE runs without host syncs (module docstring); with
-    ``MGRPO_TRITON_QK_NORM_ROPE=1`` its q/k RMSNorms run inside the RoPE kernel (rope.py)."""
+    """megatron ``SelfAttention`` whose packed RoPE runs without host syncs (module docstring); its
+    q/k RMSNorms run inside the RoPE kernel (rope.py) unless ``MGRPO_TRITON_QK_NORM_ROPE=0``."""
 
     def forward(self, *args, **kwargs):
         if not self._defer_norms(args, kwargs):
@@ -286,6 +291,8 @@ class TorchMoELayer(MoELayer):
         if type(self.token_dispatcher) is MoEAlltoAllTokenDispatcher:
             # same object and state, two methods overridden (its constructor differs across versions)
             self.token_dispatcher.__class__ = _SortedAlltoAllTokenDispatcher
+        if type(self.router) is TopKRouter:  # the aux loss reuses the routing's top-k (router.py)
+            self.router.__class__ = ReusingTopKRouter
 
 
 # ------------------------------------------------------------------------------------------------

@@ -144,10 +144,13 @@ def test_deferred_norm_left_unapplied_raises():
             pass
 
 
-def test_no_deferral_without_the_flag_or_for_other_norms(monkeypatch):
+def test_no_deferral_when_switched_off_or_for_other_norms(monkeypatch):
     rp, _, _, cfg, _, _, norm = _wrapper_and_inputs()
     monkeypatch.delenv("MGRPO_TRITON_QK_NORM_ROPE", raising=False)
-    assert not rp.defer_qk_norms(norm, norm, 16, cfg, on_device=True)  # off by default
+    assert rp.qk_norm_rope_wanted()  # on by default
+    monkeypatch.setenv("MGRPO_TRITON_QK_NORM_ROPE", "0")
+    assert not rp.qk_norm_rope_wanted()
+    assert not rp.defer_qk_norms(norm, norm, 16, cfg, on_device=True)
     monkeypatch.setenv("MGRPO_TRITON_QK_NORM_ROPE", "1")
     assert not rp.defer_qk_norms(norm, norm, 16, cfg, on_device=False)  # CPU tensors, no interpreter
     assert not rp.defer_qk_norms(torch.nn.LayerNorm(16), norm, 16, cfg, on_device=True)
@@ -164,6 +167,8 @@ def test_deferring_qk_norms_shadows_and_restores():
     queue: list = []
     with rp.deferring_qk_norms(att, queue):
         assert att.q_layernorm(x) is x and att.k_layernorm(x) is x
+        # megatron >= 0.19 calls them through typed_torch.apply_module, which insists on modules
+        assert isinstance(att.q_layernorm, torch.nn.Module) and not list(att.q_layernorm.children())
         assert queue == [att._modules["q_layernorm"], att._modules["k_layernorm"]]
         assert sorted(att.state_dict()) == keys and att._modules["q_layernorm"] is norm
     assert att.q_layernorm is norm and isinstance(att.k_layernorm, torch.nn.RMSNorm)

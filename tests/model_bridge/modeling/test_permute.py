@@ -1,0 +1,69 @@
+"""model_bridge/modeling/permute.py: the routed experts of each token, read from the routing map."""
+import pytest
+import torch
+
+from megatron_grpo.testing.dist import run_ranks
+from model_bridge.modeling.permute import topk_indices
+
+
+@pytest.mark.parametrize("T,E,k", [(1, 4, 1), (37, 8, 3), (513, 128, 8), (64, 16, 16)])
+def test_topk_indices_are_each_rows_routed_experts_ascending(T, E, k):
+    """Exactly the row's True columns, ascending, as int64 ``[T, k]`` (contiguous): the same sets a
+    top-k over the map finds, k == E included (no spill column is ever read)."""
+    g = torch.Generator().manual_seed(T + E + k)
+    chosen_TK = torch.rand(T, E, generator=g).topk(k, dim=1).indices
+    rmap_TE = torch.zeros(T, E, dtype=torch.bool).scatter_(1, chosen_TK, True)
+    got_TK = topk_indices(rmap_TE, k)
+    assert got_TK.dtype == torch.long and got_TK.shape == (T, k) and got_TK.is_contiguous()
+    assert torch.equal(got_TK, chosen_TK.sort(dim=1).values)
+    assert torch.equal(got_TK, torch.topk(rmap_TE.to(torch.int8), k, dim=1).indices.sort(dim=1).values)
+
+
+def test_topk_indices_of_no_tokens():
+    assert topk_indices(torch.zeros(0, 8, dtype=torch.bool), 2).shape == (0, 2)
+
+
+
+def _select_rows_cases(device: str) -> list:
+    """``(case, select_rows == index_select bit for bit, output shape)``: bf16 and fp32, repeated
+    rows, a width that is not a multiple of the kernel's block, and no rows."""
+    from model_bridge.modeling.permute import select_rows
+
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(23, 1500, generator=g).to(dtype).to(device)
+        rows = torch.randint(0, 23, (57,), generator=g).to(device)
+        for name, r in (("rows", rows), ("none", rows[:0])):
+            got = select_rows(x, r)
+            out.append((f"{dtype}-{name}", got.dtype == dtype and torch.equal(got, x.index_select(0, r)),
+                        tuple(got.shape)))
+    return out
+
+
+def _rank_select_rows_interpreted():
+    from model_bridge.modeling._triton import TRITON_ON_CPU
+    from model_bridge.modeling.permute import _triton_select_rows_kernel
+
+    if _triton_select_rows_kernel() is None or not TRITON_ON_CPU:
+        return None
+    return _select_rows_cases("cpu")
+
+
+def test_select_rows_is_index_select_bit_for_bit_interpreted():
+    """The Triton row gather through Triton's interpreter on CPU tensors."""
+    pytest.importorskip("triton")
+    res = run_ranks(_rank_select_rows_interpreted, 1, timeout=600,
+                    env={"TRITON_INTERPRET": "1", "MGRPO_TRITON_GLU_CPU": "1"})[0]
+    if res is None:
+        pytest.skip("Triton's interpreter is not usable here")
+    assert [ok for _, ok, _ in res] == [True] * 4, res
+    assert [shape for _, _, shape in res] == [(57, 1500), (0, 1500)] * 2
+
+
+@pytest.mark.gpu
+def test_select_rows_is_index_select_bit_for_bit_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    res = _select_rows_cases("cuda")
+    assert [ok for _, ok, _ in res] == [True] * 4, res

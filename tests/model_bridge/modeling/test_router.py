@@ -1,0 +1,71 @@
+"""model_bridge/modeling/router.py: the aux loss reuses the routing's top-k, and nothing changes."""
+from __future__ import annotations
+
+import torch
+
+from megatron_grpo.testing.dist import run_ranks
+
+
+def _rank_router(E: int, k: int, T: int, ties: bool) -> dict:
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from model_bridge.modeling.router import ReusingTopKRouter
+    from model_bridge.parallel import destroy_parallel, init_parallel
+
+    init_parallel(seed=1)
+    try:
+        cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=1, num_moe_experts=E,
+                                moe_router_topk=k, moe_router_load_balancing_type="aux_loss",
+                                moe_aux_loss_coeff=0.01, moe_router_pre_softmax=False, use_cpu_initialization=True)
+        g = torch.Generator().manual_seed(0)
+        logits0 = torch.randn(T, 1, E, generator=g) * 3
+        if ties:  # the k-th and (k+1)-th best logit equal in every token: the tie-break decides
+            top = logits0.sort(-1, descending=True)
+            logits0.scatter_(-1, top.indices[..., k:k + 1], top.values[..., k - 1:k])
+        calls = {"n": 0}
+        orig_topk = torch.topk
+
+        def counting_topk(*a, **kw):
+            calls["n"] += 1
+            return orig_topk(*a, **kw)
+
+        out = {}
+        for name, cls in (("megatron", TopKRouter), ("ours", ReusingTopKRouter)):
+            router = TopKRouter(config=cfg, pg_collection=get_default_pg_collection())
+            router.__class__ = cls
+            router.train()
+            logits = logits0.clone().requires_grad_()
+            calls["n"] = 0
+            torch.topk = counting_topk
+            try:
+                probs, rmap = router.routing(logits)
+            finally:
+                torch.topk = orig_topk
+            (probs * torch.arange(E, dtype=probs.dtype)).sum().backward()  # the aux loss adds its gradient
+            out[name] = {"probs": probs.detach(), "map": rmap, "grad": logits.grad, "topk_calls": calls["n"]}
+        m, o = out["megatron"], out["ours"]
+        return {"probs_equal": torch.equal(m["probs"], o["probs"]), "map_equal": torch.equal(m["map"], o["map"]),
+                "grad_max_diff": float((m["grad"] - o["grad"]).abs().max()),
+                "grad_scale": float(m["grad"].abs().max()),
+                "topk_calls": (m["topk_calls"], o["topk_calls"])}
+    finally:
+        destroy_parallel()
+
+
+def test_reusing_router_matches_megatron_with_one_topk():
+    """No ties: the same probabilities, routing map and logits gradient (the aux loss's included),
+    bit for bit, with one top-k instead of two."""
+    res = run_ranks(_rank_router, 1, 8, 2, 37, False, timeout=300)[0]
+    assert res["topk_calls"] == (2, 1)
+    assert res["probs_equal"] and res["map_equal"] and res["grad_max_diff"] == 0.0, res
+
+
+def test_reusing_router_with_ties_counts_the_experts_tokens_were_sent_to():
+    """Exact ties at the k-th place: routing unchanged; the aux-loss gradient may differ only by
+    megatron's second tie-break (bounded by the aux loss's own scale, coefficient 0.01)."""
+    res = run_ranks(_rank_router, 1, 8, 2, 37, True, timeout=300)[0]
+    assert res["topk_calls"] == (2, 1)
+    assert res["probs_equal"] and res["map_equal"], res
+    assert res["grad_max_diff"] <= 0.01 * res["grad_scale"] + 1e-3, res
