@@ -98,9 +98,10 @@ def run_hf(model, ids: list, probe, device, batch: int, warmup: int, iters: int,
         return outs
 
     first = step(keep=keep_output)
-    times = _time_steps(step, device, warmup, iters)
+    pipelined = []
+    times = _time_steps(step, device, warmup, iters, pipelined_s=pipelined)
     res = {"step_s": times, "output": torch.cat([first[i] for i in range(len(ids))]) if keep_output else None,
-           "padded_tokens": padded, "peak_gib": _peak_gib(device)}
+           "padded_tokens": padded, "peak_gib": _peak_gib(device), "step_s_pipelined": pipelined[0]}
     if device.type == "cuda":  # after the peak was read: this resets it
         res["memory_trace"] = []
         step(trace=res["memory_trace"])

@@ -162,9 +162,9 @@ def run_ours(model, spec, ids: list, probe, norm_w, device, warmup: int, iters: 
         h.remove()
     if barrier is not None:
         barrier()
-    host = []
-    times = _time_steps(step, device, warmup, iters, host_s=host)
-    res = {"step_s": times, "host_issue_s": host, "output": first, "expert_counts": counts,
+    host, pipelined = [], []
+    times = _time_steps(step, device, warmup, iters, host_s=host, pipelined_s=pipelined)
+    res = {"step_s": times, "host_issue_s": host, "step_s_pipelined": pipelined[0], "output": first, "expert_counts": counts,
            "micro_batch_tokens": [sum(m[1]) for m in mbs], "peak_gib": _peak_gib(device)}
     if device.type == "cuda":  # after the peak was read: this resets it
         res["memory_trace"] = []

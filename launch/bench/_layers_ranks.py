@@ -16,10 +16,12 @@ from launch.bench._layers_report import _ratios
 from launch.bench._layers_timing import _env, _mem_reset
 
 
-def _summary(name: str, step_s: list[float], tokens: int, flops: int, peak, extra=None) -> dict:
+def _summary(name: str, step_s: list[float], tokens: int, flops: int, peak, extra=None, pipelined_s=None) -> dict:
     med = statistics.median(step_s)
     d = {"system": name, "step_s_median": med, "step_s": step_s, "useful_tokens": tokens,
          "tok_per_s": tokens / med, "useful_tflops": flops / med / 1e12, "peak_mem_gib": peak}
+    if pipelined_s:  # steps back to back (_layers_timing._time_steps)
+        d.update(step_s_pipelined=pipelined_s, tok_per_s_pipelined=tokens / pipelined_s)
     if extra:
         d.update(extra)
     return d
@@ -127,7 +129,7 @@ def _rank_run(out: Path, layers, tokens, ep, tiny, systems, warmup, iters, seed,
                 hf_out = r["output"].cpu()  # kept for the correctness check, off the GPU (not in ours' peak)
             res["systems"][name] = _summary(name, r["step_s"], T, fl["total_fwd_bwd"], r["peak_gib"],
                                             {"padded_tokens": r["padded_tokens"], "memory_trace": r.get("memory_trace"),
-                                             **impl})
+                                             **impl}, pipelined_s=r.get("step_s_pipelined"))
             s = res["systems"][name]
             log(f"{name}: {s['tok_per_s']:.0f} tok/s, {s['useful_tflops']:.1f} TFLOP/s, peak {s['peak_mem_gib']}")
             del r  # its GPU output must not count in the next system's peak
@@ -175,7 +177,8 @@ def _rank_run(out: Path, layers, tokens, ep, tiny, systems, warmup, iters, seed,
                 with armed(f"probe losses on {len(batches)} micro-batch(es)"):
                     res["losses"] = [probe_losses(model, spec, bi, bp, norm_w, device) for bi, bp in batches]
                 log(f"probe losses {[x['loss'] for x in res['losses']]}")
-        res["systems"][name] = _summary(name, r["step_s"], T, fl["total_fwd_bwd"], peak, extra)
+        res["systems"][name] = _summary(name, r["step_s"], T, fl["total_fwd_bwd"], peak, extra,
+                                        pipelined_s=r.get("step_s_pipelined"))
         s = res["systems"][name]
         log(f"{name}: {s['tok_per_s']:.0f} tok/s, {s['useful_tflops']:.1f} TFLOP/s, step "
             f"{s['step_s_median'] * 1e3:.1f} ms (host done issuing after {extra['host_issue_s_median'] * 1e3:.1f} ms), "

@@ -40,8 +40,12 @@ class _Timer:
             self.s = time.perf_counter() - self.t0
 
 
-def _time_steps(step, device, warmup: int, iters: int, host_s: list | None = None) -> list[float]:
-    """Step times (s); ``host_s`` (a list) also gets each step's host issue time (:class:`_Timer`)."""
+def _time_steps(step, device, warmup: int, iters: int, host_s: list | None = None,
+                pipelined_s: list | None = None) -> list[float]:
+    """Step times (s), each step timed alone (the GPU idles while the host runs the step's
+    prologue); ``host_s`` (a list) also gets each step's host issue time (:class:`_Timer`);
+    ``pipelined_s`` the mean time of ``iters`` steps run back to back with no host wait between
+    them (the next step's prologue overlaps this one's tail, as a trainer's micro-batches do)."""
     for _ in range(warmup):
         step()
     out = []
@@ -51,6 +55,11 @@ def _time_steps(step, device, warmup: int, iters: int, host_s: list | None = Non
         out.append(t.s)
         if host_s is not None:
             host_s.append(t.host_s)
+    if pipelined_s is not None:
+        with _Timer(device) as t:
+            for _ in range(iters):
+                step()
+        pipelined_s.append(t.s / iters)
     return out
 
 
@@ -145,9 +154,37 @@ def _profile(step, path) -> str:
             sort_by="self_device_time_total", row_limit=60, max_name_column_width=40, max_shapes_column_width=90)
     except Exception:  # noqa: BLE001
         shapes = ""
+    try:
+        gaps = _idle_gaps(prof)
+    except Exception as e:  # noqa: BLE001 - a torch whose events lack time ranges
+        gaps = f"(not available: {e})"
     Path(path).write_text(table + "\n\nBy host (self CPU) time:\n" + cpu
-                          + "\n\nBy operator and input shapes (self device time):\n" + shapes + "\n")
+                          + "\n\nBy operator and input shapes (self device time):\n" + shapes
+                          + "\n\nWhere the GPU waits (idle gaps between kernels):\n" + gaps + "\n")
     return table
+
+
+def _idle_gaps(prof, top: int = 15, min_us: float = 5.0) -> str:
+    """The profiled step's device timeline: from the host's first op to the last kernel, the time
+    no kernel or copy ran, and the longest gaps with the kernels around them (a gap at the start is
+    the host's prologue; gaps in the middle are where the host fell behind or waited)."""
+    from torch.autograd import DeviceType
+
+    evs = prof.events()
+    kern = sorted((e.time_range.start, e.time_range.end, e.name) for e in evs
+                  if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    t0 = min(e.time_range.start for e in evs if e.device_type == DeviceType.CPU)
+    gaps, busy_end, prev = [], t0, "(step start)"
+    for start, end, name in kern:
+        if start - busy_end >= min_us:
+            gaps.append((start - busy_end, busy_end - t0, prev, name))
+        if end > busy_end:
+            busy_end, prev = end, name
+    idle = sum(g[0] for g in gaps)
+    lines = [f"window {(busy_end - t0) / 1e3:.2f} ms, idle {idle / 1e3:.2f} ms in {len(gaps)} gaps >= {min_us:g} us"]
+    for us, at, before, after in sorted(gaps, reverse=True)[:top]:
+        lines.append(f"  {us:8.1f} us at {at / 1e3:7.2f} ms  after {before[:60]!r}  before {after[:60]!r}")
+    return "\n".join(lines)
 
 
 def _env(device) -> dict:

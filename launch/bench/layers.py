@@ -47,6 +47,14 @@ router's softmax not counted), per layer over the real tokens ``T`` and samples 
 with h=2048, q=32, kv=4, d=128, E=128, k=8, F=768. TFLOP/s = 3 (dense + experts + attn) N / time.
 tok/s counts real tokens only.
 
+Time: ``step ms`` is the median of ``--iters`` steps each timed alone (CUDA events, the host waits
+for the GPU after each), so it includes the GPU's idle start while the host runs the step's
+prologue (~1.5-2 ms for our thinker: the first kernels are small and megatron's Python is slow
+to reach the first GEMM). ``piped ms`` (``step_s_pipelined``) is the mean of ``--iters`` steps run
+back to back with no wait between them, as a trainer runs consecutive micro-batches: each step's
+prologue overlaps the previous step's tail. Both are in the JSON, with both ratios to the kernel
+ceiling (whose micro-benchmarks run back to back too); the targets are checked on ``step ms``.
+
 Outputs under ``--out``: ``bench_layers.json`` (every number, the environment, the commands),
 ``bench_layers.png`` (tok/s, TFLOP/s with the ceiling, peak memory), ``bench_layers_profile.txt``
 (torch profiler tables of one step of ours, where the time goes, by kernel, host time and input
