@@ -6,9 +6,7 @@ import pytest
 import torch
 
 from megatron_grpo.testing.dist import run_ranks
-
-INTERPRETED = {"TRITON_INTERPRET": "1", "MGRPO_TRITON_GLU_CPU": "1"}
-
+from megatron_grpo.testing.interpreted import run_interpreted
 
 def _grad_cases(device: str) -> dict:
     """Per case: (max |ours - fp64 scatter-add| in units of the output dtype's rounding at the
@@ -40,15 +38,6 @@ def _grad_cases(device: str) -> dict:
     return out
 
 
-def _rank_interpreted():
-    from model_bridge.modeling._triton import TRITON_ON_CPU
-    from model_bridge.modeling.embedding import _triton_embed_bwd_kernel
-
-    if _triton_embed_bwd_kernel() is None or not TRITON_ON_CPU:
-        return None
-    return _grad_cases("cpu")
-
-
 def _check(res: dict) -> None:
     for case, (ulps, same, zeros) in res.items():
         # fp32 sums of up to ~30 rows, then one rounding to the output dtype (measured: <= 1.5)
@@ -56,10 +45,9 @@ def _check(res: dict) -> None:
 
 
 def test_sorted_embedding_backward_interpreted():
-    pytest.importorskip("triton")
-    res = run_ranks(_rank_interpreted, 1, timeout=600, env=INTERPRETED)[0]
-    if res is None:
-        pytest.skip("Triton's interpreter is not usable here")
+    from model_bridge.modeling.embedding import _triton_embed_bwd_kernel
+
+    res = run_interpreted(_triton_embed_bwd_kernel, _grad_cases, "cpu")
     print(f"\n[sorted embedding backward, interpreted] {res}")
     _check(res)
 

@@ -5,10 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_grpo.testing.dist import run_ranks
-
-INTERPRETED = {"TRITON_INTERPRET": "1", "MGRPO_TRITON_GLU_CPU": "1"}
-
+from megatron_grpo.testing.interpreted import run_interpreted
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
@@ -48,15 +45,6 @@ def _norm_errors(device: str) -> dict:
     return out
 
 
-def _rank_interpreted():
-    from model_bridge.modeling._triton import TRITON_ON_CPU
-    from model_bridge.modeling.norm import _kernels
-
-    if _kernels() is None or not TRITON_ON_CPU:
-        return None
-    return _norm_errors("cpu")
-
-
 def _check(errs: dict) -> None:
     for k, v in errs.items():
         if k.endswith("-fn"):
@@ -66,10 +54,9 @@ def _check(errs: dict) -> None:
 
 
 def test_fast_rms_norm_kernels_interpreted():
-    pytest.importorskip("triton")
-    res = run_ranks(_rank_interpreted, 1, timeout=600, env=INTERPRETED)[0]
-    if res is None:
-        pytest.skip("Triton's interpreter is not usable here")
+    from model_bridge.modeling.norm import _kernels
+
+    res = run_interpreted(_kernels, _norm_errors, "cpu")
     print(f"\n[fast RMSNorm, interpreted] {res}")
     _check(res)
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from megatron_grpo.testing.dist import run_ranks
+from megatron_grpo.testing.interpreted import run_interpreted
 from model_bridge.modeling.permute import topk_indices
 
 
@@ -41,22 +41,11 @@ def _select_rows_cases(device: str) -> list:
     return out
 
 
-def _rank_select_rows_interpreted():
-    from model_bridge.modeling._triton import TRITON_ON_CPU
-    from model_bridge.modeling.permute import _triton_select_rows_kernel
-
-    if _triton_select_rows_kernel() is None or not TRITON_ON_CPU:
-        return None
-    return _select_rows_cases("cpu")
-
-
 def test_select_rows_is_index_select_bit_for_bit_interpreted():
     """The Triton row gather through Triton's interpreter on CPU tensors."""
-    pytest.importorskip("triton")
-    res = run_ranks(_rank_select_rows_interpreted, 1, timeout=600,
-                    env={"TRITON_INTERPRET": "1", "MGRPO_TRITON_GLU_CPU": "1"})[0]
-    if res is None:
-        pytest.skip("Triton's interpreter is not usable here")
+    from model_bridge.modeling.permute import _triton_select_rows_kernel
+
+    res = run_interpreted(_triton_select_rows_kernel, _select_rows_cases, "cpu")
     assert [ok for _, ok, _ in res] == [True] * 4, res
     assert [shape for _, _, shape in res] == [(57, 1500), (0, 1500)] * 2
 

@@ -5,10 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_grpo.testing.dist import run_ranks
-
-INTERPRETED = {"TRITON_INTERPRET": "1", "MGRPO_TRITON_GLU_CPU": "1"}
-
+from megatron_grpo.testing.interpreted import run_interpreted
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.double(), b.double()
@@ -57,25 +54,15 @@ def _norm_rope_errors(device: str) -> dict:
     return out
 
 
-def _rank_norm_rope_interpreted():
-    import model_bridge.modeling.rope as rp
-    from model_bridge.modeling._triton import TRITON_ON_CPU
-
-    if rp._triton_kernels() is None or not TRITON_ON_CPU:
-        return None
-    return _norm_rope_errors("cpu")
-
-
 def _check(errs: dict) -> None:
     for k, v in errs.items():  # fp32: rounding only; bf16: the output's and the norm's roundings
         assert v < (1e-5 if k.startswith("float32") else 2e-2), f"{k}: {v:.2e}"
 
 
 def test_fused_norm_rope_kernels_interpreted():
-    pytest.importorskip("triton")
-    res = run_ranks(_rank_norm_rope_interpreted, 1, timeout=600, env=INTERPRETED)[0]
-    if res is None:
-        pytest.skip("Triton's interpreter is not usable here")
+    import model_bridge.modeling.rope as rp
+
+    res = run_interpreted(rp._triton_kernels, _norm_rope_errors, "cpu")
     print(f"\n[q/k norm + rope, interpreted] {res}")
     _check(res)
 

@@ -1,0 +1,33 @@
+"""Tests of the torch backend's Triton kernels on CPU: Triton's interpreter, in a fresh process.
+
+The kernels read ``TRITON_INTERPRET`` when Triton is imported and ``MGRPO_TRITON_GLU_CPU`` when
+``model_bridge.modeling._triton`` is, so each check runs in a child process with both set.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from megatron_grpo.testing.dist import run_ranks
+
+INTERPRETED_ENV = {"TRITON_INTERPRET": "1", "MGRPO_TRITON_GLU_CPU": "1"}
+
+
+def _in_child(kernels: Callable[[], Any], fn: Callable[..., Any], args: tuple):
+    from model_bridge.modeling._triton import TRITON_ON_CPU
+
+    if not TRITON_ON_CPU or kernels() is None:
+        return None
+    return fn(*args)
+
+
+def run_interpreted(kernels: Callable[[], Any], fn: Callable[..., Any], *args: Any, timeout: float = 600) -> Any:
+    """``fn(*args)`` in one child process under Triton's interpreter; ``kernels`` (the module's
+    kernel factory, None when Triton is unusable) is checked first there. Skips the calling test
+    when Triton is missing or its interpreter cannot run here."""
+    import pytest
+
+    pytest.importorskip("triton")
+    res = run_ranks(_in_child, 1, kernels, fn, args, timeout=timeout, env=INTERPRETED_ENV)[0]
+    if res is None:
+        pytest.skip("Triton's interpreter is not usable here")
+    return res
