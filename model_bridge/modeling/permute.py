@@ -120,9 +120,11 @@ def topk_indices(routing_map: torch.Tensor, topk: int) -> torch.Tensor:
     routed experts (a row cumsum), and one scatter puts it there."""
     T, E = routing_map.shape
     col_TE = routing_map.to(torch.int32).cumsum(1, dtype=torch.int32) - 1
-    # experts a token is not routed to go to a spill column ``k``, written many times and dropped
+    # experts a token is not routed to go to a spill column ``k``, written many times and dropped;
+    # zeros, not empty: a row with fewer than k routed experts (not dropless top-k) can never
+    # index out of range
     col_TE = torch.where(routing_map, col_TE, topk).long()
-    out_TK1 = torch.empty(T, topk + 1, dtype=torch.long, device=routing_map.device)
+    out_TK1 = torch.zeros(T, topk + 1, dtype=torch.long, device=routing_map.device)
     out_TK1.scatter_(1, col_TE, torch.arange(E, device=routing_map.device).expand(T, E))
     return out_TK1[:, :topk].contiguous()
 

@@ -1,0 +1,45 @@
+#!/bin/bash
+# The GPU session's checklist in one call (the device tool's machines: no network, no megatron-core).
+#
+#   launch/gpu/checks.sh OUT [STEP ...]
+#
+# STEP (default: tests layers2): tests | layers2 | layers4 | layers8 | mb3072 | ep2 | sync
+# * installs megatron-core from .whl/megatron_core-*.whl when it does not import (only that wheel:
+#   soundfile's wheel needs cffi, which the image lacks, and breaks librosa's import);
+# * tests: pytest -m gpu over the test files that have GPU tests (collecting all of tests/ fails
+#   there: some modules import vLLM at collection);
+# * layers*/mb3072/ep2/sync: the benchmarks with the commands docs/performance.md quotes;
+# every step has its own time limit and writes under OUT (logs, JSON, PNG, profiles).
+set -uo pipefail
+OUT=${1:?usage: launch/gpu/checks.sh OUT [tests|layers2|layers4|layers8|mb3072|ep2|sync ...]}
+shift
+STEPS=("${@:-tests layers2}")
+mkdir -p "$OUT"
+cd "$(dirname "$0")/../.."
+if ! python3 -c "import megatron.core" 2>/dev/null; then
+  whl=$(ls .whl/megatron_core-*.whl 2>/dev/null | head -1)
+  [ -n "$whl" ] || { echo "megatron-core does not import and .whl/ has no megatron_core wheel (run ../shared/device/fetch-wheels here and carry .whl)"; exit 2; }
+  rm -rf /tmp/site && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "$whl" || exit 2
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+nvidia-smi -L | tee "$OUT/gpus.txt"
+bench() { local name=$1 limit=$2; shift 2; echo "== $name: mgrpo bench $*"; timeout "$limit" python3 -m launch.bench."$@" 2>&1 | tee "$OUT/$name.log" | tail -12; }
+rc=0
+for step in ${STEPS[@]}; do
+  case $step in
+    tests) files=$(grep -rl "mark.gpu" tests --include='test_*.py' | sort)
+           echo "== tests: pytest -m gpu $(echo $files | wc -w) files"
+           timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider -rs $files 2>&1 | tee "$OUT/gpu_tests.log" \
+             | grep -v "warn\|^  \|^$" | tail -25 || rc=1 ;;
+    layers2) bench layers2 300 layers --layers 2 --systems ours,ours_sepqkn,ours_mb,ours_mb_rc,hf_bs1,hf_bs4 --out "$OUT/layers2" || rc=1 ;;
+    layers4) bench layers4 300 layers --layers 4 --systems ours,ours_mb_rc,hf_bs1 --out "$OUT/layers4" || rc=1 ;;
+    layers8) bench layers8 300 layers --layers 8 --systems ours --out "$OUT/layers8" || rc=1 ;;
+    mb3072) bench mb3072 200 layers --layers 2 --systems ours_mb,ours_mb_rc,hf_bs1 --mb-tokens 3072 --out "$OUT/mb3072" || rc=1 ;;
+    ep2) bench ep2 240 layers --layers 2 --ep 2 --hang-timeout 100 --timeout 220 --out "$OUT/ep2" || rc=1 ;;
+    sync) bench sync 420 sync --out "$OUT/sync" || rc=1 ;;
+    *) echo "unknown step $step (tests|layers2|layers4|layers8|mb3072|ep2|sync)"; rc=2 ;;
+  esac
+done
+exit $rc
