@@ -6,7 +6,7 @@ import statistics
 from pathlib import Path
 
 from launch.bench._cli import pyplot
-from launch.bench._layers_geometry import TARGET_EP_VS_EP1, TARGET_VS_CEILING, TARGET_VS_HF_BS1
+from launch.bench._layers_geometry import TARGET_VS_CEILING, TARGET_VS_HF_BS1, ep_target
 
 
 def _ratios(res: dict) -> dict:
@@ -51,8 +51,8 @@ def _plot(res: dict, path: Path) -> None:
     axes[0].bar(names, [s[n]["tok_per_s"] / 1e3 for n in names], color="tab:blue")
     axes[0].set_ylabel("useful k tok/s" + (" per GPU" if res.get("ep", 1) > 1 else ""))
     if res.get("ep", 1) > 1 and "ours_ep1" in s:
-        t = TARGET_EP_VS_EP1 * s["ours_ep1"]["tok_per_s"] / 1e3
-        axes[0].axhline(t, color="k", ls="--", label=f"target {TARGET_EP_VS_EP1}x EP1")
+        t = ep_target(res["ep"]) * s["ours_ep1"]["tok_per_s"] / 1e3
+        axes[0].axhline(t, color="k", ls="--", label=f"target {ep_target(res['ep'])}x EP1")
         axes[0].legend()
     axes[1].bar(names, [s[n]["useful_tflops"] for n in names], color="tab:green")
     kc = res.get("kernel_ceiling", {})
@@ -102,7 +102,7 @@ def _merge_ep(base: dict, values: list[dict], ep: int) -> dict:
         f"ep{ep}_vs_ep1_per_gpu_tok_s_slowest_rank": min(tps) / b["tok_per_s"],
         f"ep{ep}_vs_ep1_peak_mem": (max(peaks) / b["peak_mem_gib"]) if b["peak_mem_gib"] and all(peaks) else None,
         "loss_rel_diff_max": max(p["loss_rel_diff"] for p in per_rank),
-        "targets": {f"ep{ep}_per_gpu_tok_s>={TARGET_EP_VS_EP1}x_ep1": mean_ratio >= TARGET_EP_VS_EP1},
+        "targets": {f"ep{ep}_per_gpu_tok_s>={ep_target(ep)}x_ep1": mean_ratio >= ep_target(ep)},
     }
     return res
 

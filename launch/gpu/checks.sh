@@ -3,7 +3,7 @@
 #
 #   launch/gpu/checks.sh OUT [STEP ...]
 #
-# STEP (default: tests layers2): tests | layers2 | layers4 | layers8 | mb3072 | ep2 | sync
+# STEP (default: tests layers2): tests | layers2 | layers4 | layers8 | mb3072 | ep2 | ep4 | ep8 | ep8_16l | sync
 # * installs megatron-core from .whl/megatron_core-*.whl when it does not import (only that wheel:
 #   soundfile's wheel needs cffi, which the image lacks, and breaks librosa's import);
 # * tests: pytest -m gpu over the test files that have GPU tests (collecting all of tests/ fails
@@ -11,7 +11,7 @@
 # * layers*/mb3072/ep2/sync: the benchmarks with the commands docs/performance.md quotes;
 # every step has its own time limit and writes under OUT (logs, JSON, PNG, profiles).
 set -uo pipefail
-OUT=${1:?usage: launch/gpu/checks.sh OUT [tests|layers2|layers4|layers8|mb3072|ep2|sync ...]}
+OUT=${1:?usage: launch/gpu/checks.sh OUT [tests|layers2|layers4|layers8|mb3072|ep2|ep4|ep8|ep8_16l|sync ...]}
 shift
 STEPS=("${@:-tests layers2}")
 mkdir -p "$OUT"
@@ -38,8 +38,11 @@ for step in ${STEPS[@]}; do
     layers8) bench layers8 300 layers --layers 8 --systems ours --out "$OUT/layers8" || rc=1 ;;
     mb3072) bench mb3072 200 layers --layers 2 --systems ours_mb,ours_mb_rc,hf_bs1 --mb-tokens 3072 --out "$OUT/mb3072" || rc=1 ;;
     ep2) bench ep2 240 layers --layers 2 --ep 2 --hang-timeout 100 --timeout 220 --out "$OUT/ep2" || rc=1 ;;
+    ep4) bench ep4 300 layers --layers 2 --ep 4 --hang-timeout 120 --timeout 280 --out "$OUT/ep4" || rc=1 ;;
+    ep8) bench ep8 360 layers --layers 2 --ep 8 --hang-timeout 150 --timeout 340 --out "$OUT/ep8" || rc=1 ;;
+    ep8_16l) bench ep8_16l 480 layers --layers 16 --ep 8 --hang-timeout 200 --timeout 460 --out "$OUT/ep8_16l" || rc=1 ;;
     sync) bench sync 420 sync --out "$OUT/sync" || rc=1 ;;
-    *) echo "unknown step $step (tests|layers2|layers4|layers8|mb3072|ep2|sync)"; rc=2 ;;
+    *) echo "unknown step $step (tests|layers2|layers4|layers8|mb3072|ep2|ep4|ep8|ep8_16l|sync)"; rc=2 ;;
   esac
 done
 exit $rc
