@@ -459,6 +459,17 @@ def test_tp2_ep2_four_ranks(tiny_ckpt, data, reference):
     _compare(res, reference, "tp2 ep2 (world 4)")
 
 
+@pytest.mark.slow  # worlds 4 and 8 on 2 cores: ~1-2 min each
+@pytest.mark.parametrize("world,tp,ep,pp", [pytest.param(4, 1, 2, 2, id="ep2xpp2"),
+                                            pytest.param(8, 2, 2, 2, id="tp2sp-ep2-pp2")])
+def test_pipeline_mixes_of_the_four_and_eight_gpu_machines(tiny_ckpt, data, reference, world, tp, ep, pp):
+    """The scale-run issue's PP layouts (EP2 x PP2 on four GPUs, TP2 x EP2 x PP2 on eight) on gloo:
+    the step's gradients and the old-policy logprobs against the unpacked one-rank reference."""
+    res = run_ranks(layout_run, world, str(tiny_ckpt), data, tp, ep, pp, False, timeout=900, env=CPU_ONLY)
+    _compare(res, reference, f"tp{tp} ep{ep} pp{pp} (world {world})")
+    assert all(r["mis_tokens"] == _mis_kept(reference, data) for r in res), [r["mis_tokens"] for r in res]
+
+
 def test_moe_aux_loss_reaches_router_grads_and_nonfinite_guard(tiny_ckpt, data, reference):
     out = run_ranks(aux_and_guard_run, 1, str(tiny_ckpt), data, timeout=300, env=CPU_ONLY)[0]
     assert out["router_config_is_shared"]
