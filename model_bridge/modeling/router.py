@@ -92,6 +92,6 @@ class ReusingTopKRouter(TopKRouter):
     """megatron ``TopKRouter`` whose aux loss reuses the routing's expert selection (module docstring)."""
 
     def routing(self, logits, *args, **kwargs):
-        install_routing_reuse()
+        # the wrappers are installed once, with the torch backend's spec (torch_block_spec)
         with _reuse_scope():
             return super().routing(logits, *args, **kwargs)

@@ -56,7 +56,7 @@ from .attention import PackedCoreAttention, packed_segments, varlen_kwargs
 from .ep_dispatch import DedupExchange
 from .experts import TorchGroupedMLP, grouped_mm_available
 from .permute import sort_by_expert, topk_indices, unsort_combine
-from .router import ReusingTopKRouter
+from .router import ReusingTopKRouter, install_routing_reuse
 from .rope import defer_qk_norms, deferring_qk_norms, fast_rope_scope, install_fast_rope
 from .specs import _check_config, local_block_spec, register_backend
 from .thd import host_offsets, to_device_async
@@ -339,6 +339,7 @@ def torch_block_spec(config, vp_stage: Optional[int] = None, pp_rank: Optional[i
             raise RuntimeError(f"torch backend: could not put TorchMoELayer/TorchGroupedMLP into this megatron-core's "
                                f"MoE spec {layer.submodules.mlp!r}")
     install_fast_rope()
+    install_routing_reuse()
     return block
 
 

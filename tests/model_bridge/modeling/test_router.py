@@ -11,10 +11,11 @@ def _rank_router(E: int, k: int, T: int, ties: bool) -> dict:
     from megatron.core.transformer.moe.router import TopKRouter
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from model_bridge.modeling.router import ReusingTopKRouter
+    from model_bridge.modeling.router import ReusingTopKRouter, install_routing_reuse
     from model_bridge.parallel import destroy_parallel, init_parallel
 
     init_parallel(seed=1)
+    install_routing_reuse()  # what the torch backend's spec does
     try:
         cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=1, num_moe_experts=E,
                                 moe_router_topk=k, moe_router_load_balancing_type="aux_loss",
