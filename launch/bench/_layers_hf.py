@@ -76,8 +76,7 @@ def run_hf(model, ids: list, probe, device, batch: int, warmup: int, iters: int,
     probe_lo = probe.to(next(model.parameters()).dtype)
 
     def step(keep=False, trace=None):
-        model.zero_grad(set_to_none=True)
-        outs = {}
+        outs = {}  # the gradients are dropped at the end of the step, as ours (_layers_ours.py)
         for grp in groups:
             a = _alloc_gib(device) if trace is not None else None
             L = max(lens[i] for i in grp)
@@ -95,6 +94,7 @@ def run_hf(model, ids: list, probe, device, batch: int, warmup: int, iters: int,
             if keep:
                 for j, i in enumerate(grp):
                     outs[i] = out[j, :lens[i]].detach()
+        model.zero_grad(set_to_none=True)
         return outs
 
     first = step(keep=keep_output)

@@ -100,7 +100,7 @@ def _forward_mb(model, mb: tuple, norm_w):
     _, lens, (cu, n_audio), tokens, pos, _ = mb
     psp = thd_params(cu, tokens.device, max(lens))
     hidden = model(tokens, pos, psp, audio_token_count=n_audio)  # [T, 1, h]
-    return _rms_norm(hidden[:, 0], norm_w)
+    return _rms_norm(hidden.squeeze(1), norm_w)  # a view (``hidden[:, 0]``'s backward zero-fills and copies)
 
 
 def probe_losses(model, spec, ids: list, probe, norm_w, device) -> dict:
@@ -141,8 +141,8 @@ def run_ours(model, spec, ids: list, probe, norm_w, device, warmup: int, iters: 
                 hooks.append(m.register_forward_pre_hook(hook))
 
     def step(keep=False, trace=None):
-        model.zero_grad(set_to_none=True)
-        norm_w.grad = None
+        # the gradients are dropped at the end of the step (below), not here: freeing them is host
+        # work, which here would sit in the prologue while the GPU waits (same for HF's systems)
         outs = {}
         for mb, pr in zip(mbs, probes_lo):
             grp, lens = mb[0], mb[1]
@@ -155,6 +155,8 @@ def run_ours(model, spec, ids: list, probe, norm_w, device, warmup: int, iters: 
                 for i, n in zip(grp, lens):
                     outs[i] = out[off:off + n].detach()
                     off += n
+        model.zero_grad(set_to_none=True)
+        norm_w.grad = None
         return torch.cat([outs[i] for i in range(len(ids))]) if keep else None
 
     first = step(keep=True)

@@ -134,12 +134,20 @@ def _count_syncs(step) -> dict:
 
 
 def _profile(step, path) -> str:
+    """Profile tables of one step to ``path``; with ``MGRPO_BENCH_TRACE=1`` also its timeline with
+    Python stacks (``<path stem>_trace.json.gz``, for chrome://tracing or Perfetto)."""
+    import os
+
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+    trace = os.environ.get("MGRPO_BENCH_TRACE", "0") == "1"
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True,
+                 with_stack=trace) as prof:
         step()
         torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(str(Path(path).with_name(Path(path).stem + "_trace.json.gz")))
     ka = prof.key_averages()
     try:
         table = ka.table(sort_by="device_time_total", row_limit=45, max_name_column_width=70)

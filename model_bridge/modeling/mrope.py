@@ -8,13 +8,21 @@ from axis w when ``j % 3 == 2 and j < 3 * section[2]``, else from axis t (transf
 to 2.0 in cos/sin as soon as the axes disagree, so ``GPTModel(position_embedding_type="mrope")``
 gets its ``rotary_pos_emb`` replaced by :class:`InterleavedMRoPE`.
 
+On CUDA (one sequence or a packed buffer, b = 1) the angles come from one Triton kernel that also
+writes their fp32 ``cos``/``sin`` and hands them to the fused RoPE (rope.py's cache on the angles
+tensor): one launch instead of ~11 small kernels and their host time, which sit in the step's
+prologue while the GPU idles (``MGRPO_TRITON_ROPE=0`` switches it off with the other RoPE kernels).
+
 Shapes: T = tokens, b = batch, d = head_dim.
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import torch
+
+from ._triton import import_triton, triton_runs_on
 
 __all__ = ["InterleavedMRoPE", "interleaved_mrope_freqs", "mrope_position_ids"]
 
@@ -39,6 +47,53 @@ def interleaved_mrope_freqs(position_ids: torch.Tensor, inv_freq: torch.Tensor,
         idx = slice(axis, 3 * mrope_section[axis], 3)
         out[..., idx] = freqs[axis][..., idx]
     return torch.cat((out, out), dim=-1)  # [b, T, d]
+
+
+_MROPE_BLOCK_T = 32
+"""Tokens per program of the angle kernel (32 x 64 angles: a few KB of output each)."""
+
+
+@functools.lru_cache(maxsize=None)
+def _mrope_kernel():
+    """The Triton kernel of :func:`_mrope_freqs_triton`; None without Triton or with ``MGRPO_TRITON_ROPE=0``."""
+    if (mods := import_triton("MGRPO_TRITON_ROPE")) is None:
+        return None
+    triton, tl = mods
+
+    @triton.jit
+    def mrope_angles(pos_ptr, inv_ptr, f_ptr, cos_ptr, sin_ptr, T, s_axis, s_tok, sec1, sec2,
+                     HALF: tl.constexpr, BLOCK_T: tl.constexpr):
+        t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        tm = (t < T)[:, None]
+        j = tl.arange(0, HALF)
+        # the interleaved layout: channel j reads axis h (1) or w (2) where transformers' does
+        axis = tl.where((j % 3 == 1) & (j < 3 * sec1), 1, tl.where((j % 3 == 2) & (j < 3 * sec2), 2, 0))
+        pos = tl.load(pos_ptr + axis[None, :].to(tl.int64) * s_axis + t[:, None].to(tl.int64) * s_tok, mask=tm, other=0)
+        ang = pos.to(tl.float32) * tl.load(inv_ptr + j)[None, :]  # fp32 product, as the eager path
+        c, s_ = tl.cos(ang), tl.sin(ang)
+        o = t[:, None].to(tl.int64) * (2 * HALF) + j[None, :]
+        tl.store(f_ptr + o, ang, mask=tm)  # both halves: megatron's non-interleaved layout
+        tl.store(f_ptr + o + HALF, ang, mask=tm)
+        tl.store(cos_ptr + o, c, mask=tm)
+        tl.store(cos_ptr + o + HALF, c, mask=tm)
+        tl.store(sin_ptr + o, s_, mask=tm)
+        tl.store(sin_ptr + o + HALF, s_, mask=tm)
+
+    return mrope_angles
+
+
+def _mrope_freqs_triton(position_ids: torch.Tensor, inv_freq: torch.Tensor, mrope_section: Sequence[int]):
+    """``(freqs [T, 1, 1, d], cos [T, d], sin [T, d])`` fp32 for positions ``[3, 1, T]``, one launch."""
+    import triton
+
+    T, half = position_ids.shape[-1], inv_freq.shape[0]
+    pos = position_ids[:, 0]
+    freqs, cos, sin = (torch.empty(T, 2 * half, dtype=torch.float32, device=pos.device) for _ in range(3))
+    if T:
+        _mrope_kernel()[(triton.cdiv(T, _MROPE_BLOCK_T),)](
+            pos, inv_freq, freqs, cos, sin, T, pos.stride(0), pos.stride(1), int(mrope_section[1]),
+            int(mrope_section[2]), HALF=half, BLOCK_T=_MROPE_BLOCK_T, num_warps=4)
+    return freqs.view(T, 1, 1, 2 * half), cos, sin
 
 
 class InterleavedMRoPE(torch.nn.Module):
@@ -76,8 +131,20 @@ class InterleavedMRoPE(torch.nn.Module):
             position_ids = position_ids.float() / self.seq_len_interpolation_factor
         if self.inv_freq.device != position_ids.device:
             self.inv_freq = self.inv_freq.to(position_ids.device)
+        if self._kernel_ok(position_ids, mrope_section):
+            from .rope import attach_cos_sin
+
+            freqs, cos, sin = _mrope_freqs_triton(position_ids, self.inv_freq, mrope_section)
+            return attach_cos_sin(freqs, cos, sin)
         emb = interleaved_mrope_freqs(position_ids, self.inv_freq, mrope_section)  # [b, T, d]
         return emb[:, :, None, :].transpose(0, 1).contiguous()  # [T, b, 1, d]
+
+    def _kernel_ok(self, position_ids: torch.Tensor, mrope_section: Sequence[int]) -> bool:
+        half = self.inv_freq.shape[0]
+        return (triton_runs_on(position_ids.is_cuda) and position_ids.dim() == 3 and position_ids.shape[0] == 3
+                and position_ids.shape[1] == 1 and not position_ids.is_floating_point()
+                and half & (half - 1) == 0 and len(mrope_section) == 3 and sum(mrope_section) == half
+                and _mrope_kernel() is not None)
 
 
 def mrope_position_ids(input_ids: torch.Tensor, spec, cu_seqlens: torch.Tensor | Sequence[int] | None = None

@@ -31,7 +31,8 @@ import torch
 
 from ._triton import import_triton, triton_runs_on
 
-__all__ = ["install_fast_rope", "fast_rope_scope", "defer_qk_norms", "deferring_qk_norms", "qk_norm_rope_wanted"]
+__all__ = ["install_fast_rope", "fast_rope_scope", "defer_qk_norms", "deferring_qk_norms", "qk_norm_rope_wanted",
+           "grouped_query_wanted", "attach_cos_sin"]
 
 _STATE = threading.local()
 
@@ -41,18 +42,20 @@ def _fast_rope_active() -> bool:
 
 
 @contextlib.contextmanager
-def fast_rope_scope(deferred_norms: Optional[list] = None):
+def fast_rope_scope(deferred_norms: Optional[list] = None, grouped_query: bool = False):
     """The fast path's scope (one attention forward): the wrapper acts only inside it.
     ``deferred_norms``: the list the attention fills with its q and k norm modules (in that order)
-    when it defers them; the wrapper pops them. Raises if one was left unapplied."""
-    prev = getattr(_STATE, "norms", None)
+    when it defers them; the wrapper pops them. Raises if one was left unapplied.
+    ``grouped_query``: the attention hands the query over as megatron's split leaves it,
+    ``[T, groups, hpg * d]`` (no reshape copy; :func:`grouped_query_wanted`)."""
+    prev = getattr(_STATE, "norms", None), getattr(_STATE, "grouped_query", False)
     _STATE.depth = getattr(_STATE, "depth", 0) + 1
-    _STATE.norms = deferred_norms
+    _STATE.norms, _STATE.grouped_query = deferred_norms, grouped_query
     try:
         yield
     finally:
         _STATE.depth -= 1
-        _STATE.norms = prev
+        _STATE.norms, _STATE.grouped_query = prev
     if deferred_norms:
         raise RuntimeError(f"{len(deferred_norms)} q/k norm(s) were deferred to the RoPE but no RoPE ran: "
                            f"set MGRPO_TRITON_QK_NORM_ROPE=0 and report this")
@@ -79,12 +82,25 @@ def deferring_qk_norms(attention, queue: list):
     """Within the block, ``attention.q_layernorm`` / ``k_layernorm`` defer to the RoPE wherever
     megatron calls them (instance attributes shadow the registered submodules, which stay as they
     are for state dicts, hooks and checkpoints)."""
-    attention.__dict__["q_layernorm"] = _DeferredNorm(attention._modules["q_layernorm"], queue)
-    attention.__dict__["k_layernorm"] = _DeferredNorm(attention._modules["k_layernorm"], queue)
+    q_norm, k_norm = attention._modules["q_layernorm"], attention._modules["k_layernorm"]
+    made = attention.__dict__.get("_mgrpo_deferred_norms")
+    if made is None or made[0].norm is not q_norm or made[1].norm is not k_norm:
+        # made once per attention (a module's construction is ~20 us of host time, per layer and
+        # step, in the forward's prologue while the GPU waits), then pointed at this forward's queue
+        made = attention.__dict__["_mgrpo_deferred_norms"] = (_DeferredNorm(q_norm, queue), _DeferredNorm(k_norm, queue))
+    for d in made:
+        object.__setattr__(d, "queue", queue)
+    attention.__dict__["q_layernorm"], attention.__dict__["k_layernorm"] = made
     try:
         yield
     finally:
         del attention.__dict__["q_layernorm"], attention.__dict__["k_layernorm"]
+
+
+def grouped_query_wanted() -> bool:
+    """Inside :func:`fast_rope_scope` with ``grouped_query``: the attention may skip the query's
+    reshape copy (its RoPE wrapper takes the grouped layout)."""
+    return _fast_rope_active() and getattr(_STATE, "grouped_query", False)
 
 
 def qk_norm_rope_wanted() -> bool:
@@ -145,8 +161,10 @@ def _triton_kernels():
         tl.store(op + HALF, y2.to(o_ptr.dtype.element_ty), mask=hm)
 
     @triton.jit
-    def norm_rope_fwd(x_ptr, w_ptr, cos_ptr, sin_ptr, o_ptr, n_heads, sx0, sx1, so0, so1, eps,
+    def norm_rope_fwd(x_ptr, w_ptr, cos_ptr, sin_ptr, o_ptr, n_heads, hpg, sx0, sxg, sxh, so0, so1, eps,
                       HALF: tl.constexpr, BLOCK_N: tl.constexpr):
+        # x's head h sits at (h // hpg) * sxg + (h % hpg) * sxh: megatron's q is [T, groups, hpg * d]
+        # inside the qkv buffer (read in place, no reshape copy); a plain [T, n, d] has hpg = n
         t = tl.program_id(0).to(tl.int64)
         heads = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         hm = (heads < n_heads)[:, None]
@@ -157,7 +175,7 @@ def _triton_kernels():
         s2 = tl.load(sin_ptr + t * (2 * HALF) + HALF + d)[None, :]
         w1 = tl.load(w_ptr + d).to(tl.float32)[None, :]
         w2 = tl.load(w_ptr + HALF + d).to(tl.float32)[None, :]
-        xp = x_ptr + t * sx0 + heads[:, None] * sx1 + d[None, :]
+        xp = x_ptr + t * sx0 + ((heads // hpg) * sxg + (heads % hpg) * sxh)[:, None] + d[None, :]
         x1 = tl.load(xp, mask=hm, other=0.0).to(tl.float32)
         x2 = tl.load(xp + HALF, mask=hm, other=0.0).to(tl.float32)
         r = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
@@ -169,8 +187,8 @@ def _triton_kernels():
         tl.store(op + HALF, (n2 * c2 + n1 * s2).to(o_ptr.dtype.element_ty), mask=hm)
 
     @triton.jit
-    def norm_rope_bwd(g_ptr, x_ptr, w_ptr, cos_ptr, sin_ptr, dx_ptr, dwp_ptr, n_rows, n_heads, sg0, sg1, sx0, sx1,
-                      sd0, sd1, eps, HALF: tl.constexpr, BLOCK_R: tl.constexpr):
+    def norm_rope_bwd(g_ptr, x_ptr, w_ptr, cos_ptr, sin_ptr, dx_ptr, dwp_ptr, n_rows, n_heads, hpg, sg0, sg1, sx0,
+                      sxg, sxh, sd0, sd1, eps, HALF: tl.constexpr, BLOCK_R: tl.constexpr):
         # one program: BLOCK_R (token, head) rows at once (no serial loop: all its loads are in
         # flight together); its partial weight gradient goes to row ``pid`` of dwp [programs, 2 * HALF]
         # (summed by the caller: no atomics, deterministic)
@@ -191,7 +209,7 @@ def _triton_kernels():
         gp = g_ptr + t[:, None] * sg0 + h * sg1 + d
         g1 = tl.load(gp, mask=m, other=0.0).to(tl.float32)
         g2 = tl.load(gp + HALF, mask=m, other=0.0).to(tl.float32)
-        xp = x_ptr + t[:, None] * sx0 + h * sx1 + d
+        xp = x_ptr + t[:, None] * sx0 + (h // hpg) * sxg + (h % hpg) * sxh + d  # x's layout as in the forward
         x1 = tl.load(xp, mask=m, other=0.0).to(tl.float32)
         x2 = tl.load(xp + HALF, mask=m, other=0.0).to(tl.float32)
         dn1 = g1 * c1 + g2 * s2  # the RoPE's transpose rotation: gradient of the normed x
@@ -238,33 +256,46 @@ def _rope_launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, bwd: boo
     return out
 
 
+def _heads_layout(x: torch.Tensor, d: int) -> tuple[int, int, int, int]:
+    """``(heads, heads per group, group stride, head stride)`` of ``x``: ``[T, n, d]``, or megatron's
+    grouped query ``[T, groups, hpg * d]`` (each group's heads contiguous, d apart)."""
+    if x.shape[-1] == d:
+        return x.shape[1], x.shape[1], 0, x.stride(1)
+    hpg = x.shape[-1] // d
+    return x.shape[1] * hpg, hpg, x.stride(1), d
+
+
 def _norm_rope_fwd(x, w, cos, sin, eps: float) -> torch.Tensor:
+    """``[T, n, d]`` normed and rotated heads of ``x`` (``[T, n, d]`` or grouped, :func:`_heads_layout`)."""
     import triton
 
-    T, n, d = x.shape
+    T, d = x.shape[0], w.shape[0]
+    n, hpg, sxg, sxh = _heads_layout(x, d)
     out = torch.empty(T, n, d, dtype=x.dtype, device=x.device)
     if T:
         bn = _head_block(n)
-        _triton_kernels()[1][(T, triton.cdiv(n, bn))](x, w, cos, sin, out, n, x.stride(0), x.stride(1),
+        _triton_kernels()[1][(T, triton.cdiv(n, bn))](x, w, cos, sin, out, n, hpg, x.stride(0), sxg, sxh,
                                                       out.stride(0), out.stride(1), eps, HALF=d // 2,
                                                       BLOCK_N=bn, num_warps=4)
     return out
 
 
 def _norm_rope_bwd(g, x, w, cos, sin, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx, dw)``: ``dx`` contiguous in ``x``'s shape (grouped or not), ``g`` ``[T, n, d]``."""
     import triton
 
     g = g if g.stride(-1) == 1 else g.contiguous()
-    T, n, d = x.shape
+    T, d = x.shape[0], w.shape[0]
+    n, hpg, sxg, sxh = _heads_layout(x, d)
     dx = torch.empty(T, n, d, dtype=x.dtype, device=x.device)
     programs = triton.cdiv(T * n, _NORM_ROPE_BLOCK_ROWS)
     # every program writes its row; no programs (T = 0): a zero gradient
     dw_parts = (torch.empty if T else torch.zeros)(max(programs, 1), d, dtype=torch.float32, device=x.device)
     if T:
-        _triton_kernels()[2][(programs,)](g, x, w, cos, sin, dx, dw_parts, T * n, n, g.stride(0), g.stride(1),
-                                          x.stride(0), x.stride(1), dx.stride(0), dx.stride(1), eps, HALF=d // 2,
+        _triton_kernels()[2][(programs,)](g, x, w, cos, sin, dx, dw_parts, T * n, n, hpg, g.stride(0), g.stride(1),
+                                          x.stride(0), sxg, sxh, dx.stride(0), dx.stride(1), eps, HALF=d // 2,
                                           BLOCK_R=_NORM_ROPE_BLOCK_ROWS, num_warps=4)
-    return dx, dw_parts.sum(0).to(w.dtype)
+    return dx.view(x.shape), dw_parts.sum(0).to(w.dtype)
 
 
 class _FusedRope(torch.autograd.Function):
@@ -283,7 +314,9 @@ class _FusedRope(torch.autograd.Function):
 
 class _FusedNormRope(torch.autograd.Function):
     """``rope(RMSNorm_w(x))`` over each head's d values in one Triton pass each way. Saves ``x``
-    (the unfused norm saves it too) and recomputes the ``1/rms`` in the backward."""
+    (the unfused norm saves it too) and recomputes the ``1/rms`` in the backward. ``x`` is
+    ``[T, n, d]`` or megatron's grouped query ``[T, groups, hpg * d]`` (a view of the qkv buffer,
+    read in place); the output is ``[T, n, d]``."""
 
     @staticmethod
     def forward(ctx, x, w, cos, sin, eps: float):
@@ -303,6 +336,16 @@ class _FusedNormRope(torch.autograd.Function):
 # the wrapper of megatron's apply_rotary_pos_emb
 # ------------------------------------------------------------------------------------------------
 
+def attach_cos_sin(freqs: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mscale: float = 1.0) -> torch.Tensor:
+    """Hand ``cos``/``sin`` ``[T, d]`` (fp32, of ``freqs`` times ``mscale``) to :func:`_cos_sin`'s
+    cache on the angles tensor (the MRoPE kernel computes all three at once); returns ``freqs``."""
+    try:
+        freqs._mgrpo_cos_sin = (float(mscale), freqs._version, cos, sin)
+    except (AttributeError, RuntimeError):
+        pass
+    return freqs
+
+
 def _cos_sin(freqs: torch.Tensor, mscale: float):
     """fp32 ``(cos, sin) [T, d]`` of rotary angles ``[T, 1, 1, d]``, cached on the freqs tensor (the
     same tensor reaches every layer of a forward, for q and for k)."""
@@ -311,18 +354,22 @@ def _cos_sin(freqs: torch.Tensor, mscale: float):
         return cached[2], cached[3]
     f = freqs.reshape(freqs.shape[0], freqs.shape[-1]).float()
     cos, sin = (torch.cos(f) * mscale).contiguous(), (torch.sin(f) * mscale).contiguous()
-    try:
-        freqs._mgrpo_cos_sin = (mscale, freqs._version, cos, sin)
-    except (AttributeError, RuntimeError):
-        pass
+    attach_cos_sin(freqs, cos, sin, mscale)
     return cos, sin
 
 
 def _fused_rope_ok(t: torch.Tensor, freqs: torch.Tensor, config) -> bool:
-    d = t.shape[-1]
-    return (triton_runs_on(t.is_cuda) and freqs.shape[-1] == d and d % 2 == 0 and (d // 2) & (d // 2 - 1) == 0
+    d = freqs.shape[-1]
+    return (triton_runs_on(t.is_cuda) and t.shape[-1] == d and d % 2 == 0 and (d // 2) & (d // 2 - 1) == 0
             and not getattr(config, "rotary_interleaved", False)
             and not getattr(config, "multi_latent_attention", False) and _triton_kernels() is not None)
+
+
+def _is_grouped_query(t: torch.Tensor, freqs: torch.Tensor) -> bool:
+    """``t`` is a grouped query ``[T, groups, hpg * d]`` (only inside the fast path's scope: there
+    megatron never hands the RoPE heads wider than the angles otherwise)."""
+    return (_fast_rope_active() and getattr(_STATE, "grouped_query", False) and t.dim() == 3 and freqs.dim() == 4
+            and t.shape[-1] > freqs.shape[-1] and t.shape[-1] % freqs.shape[-1] == 0)
 
 
 def _pop_deferred_norm():
@@ -334,6 +381,14 @@ def _make_fast_rope(orig):
     @functools.wraps(orig)
     def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None, **kw):
         norm = _pop_deferred_norm() if _fast_rope_active() else None  # q's first, then k's
+        if _is_grouped_query(t, freqs):
+            # the query as TorchSelfAttention hands it over when the norm is deferred: [T, groups,
+            # hpg * d], a view of the qkv buffer; the fused kernel reads it in place
+            if norm is not None and cu_seqlens is not None and freqs.shape[0] == t.shape[0] and freqs.shape[1] == 1 \
+                    and (cp_group is None or cp_group.size() == 1) and _fused_rope_ok(t[..., :freqs.shape[-1]], freqs, config):
+                eps = norm.eps if norm.eps is not None else torch.finfo(t.dtype).eps
+                return _FusedNormRope.apply(t, norm.weight, *_cos_sin(freqs, float(mscale)), float(eps))
+            t = t.reshape(t.shape[0], -1, freqs.shape[-1])  # megatron's [T, heads, d] (a copy)
         if (cu_seqlens is not None and _fast_rope_active() and t.dim() == 3 and freqs.dim() == 4
                 and freqs.shape[0] == t.shape[0] and freqs.shape[1] == 1
                 and not getattr(config, "apply_rope_fusion", False)

@@ -174,7 +174,9 @@ class OmniThinker(MegatronModule):
 
         lm = self.language_model
         emb = lm.embedding(input_ids=input_ids, position_ids=None)  # [s(/tp), b, h]
-        is_audio = input_ids == self.spec.audio_token_id  # [b, s]
+        # [b, s]; not made when the caller counted the audio tokens and there are none (a launch
+        # in the step's prologue, where the GPU waits for the host)
+        is_audio = None if audio_token_count is not None and audio_features is None else input_ids == self.spec.audio_token_id
         # a device read (host sync) unless the caller counted them on the host
         n_tokens = int(is_audio.sum()) if audio_token_count is None else int(audio_token_count)
         if audio_features is not None:

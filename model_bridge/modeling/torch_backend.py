@@ -57,7 +57,7 @@ from .ep_dispatch import DedupExchange
 from .experts import TorchGroupedMLP, grouped_mm_available
 from .permute import sort_by_expert, topk_indices, unsort_combine
 from .router import ReusingTopKRouter, install_routing_reuse
-from .rope import defer_qk_norms, deferring_qk_norms, fast_rope_scope, install_fast_rope
+from .rope import defer_qk_norms, deferring_qk_norms, fast_rope_scope, grouped_query_wanted, install_fast_rope
 from .specs import _check_config, local_block_spec, register_backend
 from .thd import host_offsets, to_device_async
 
@@ -129,6 +129,8 @@ def _varlen_run(q, k, v, plan: VarlenPlan, causal: bool, scale: float) -> torch.
     T = q.shape[0]
     if plan.idx is None:
         n = plan.n_real
+        if n == T:  # no trailing padding: no slices (each one's backward zero-fills and copies its input's size)
+            return varlen_attn(q, k, v, plan.cu, plan.cu, plan.max_len, plan.max_len, **kw)
         out = varlen_attn(q[:n], k[:n], v[:n], plan.cu, plan.cu, plan.max_len, plan.max_len, **kw)
         if n < T:
             out = torch.cat([out, out.new_zeros(T - n, *out.shape[1:])])
@@ -167,8 +169,24 @@ class TorchSelfAttention(SelfAttention):
             with fast_rope_scope():
                 return super().forward(*args, **kwargs)
         queue: list = []
-        with fast_rope_scope(queue), deferring_qk_norms(self, queue):
+        with fast_rope_scope(queue, grouped_query=True), deferring_qk_norms(self, queue):
             return super().forward(*args, **kwargs)
+
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate: bool = False,
+                                    split_qkv: bool = True, **kw):
+        """megatron's, except that with the q/k norms deferred to the fused kernel the query stays
+        as the split leaves it, ``[s, b, groups, hpg * d]`` (a view of the qkv buffer): the RoPE
+        kernel reads its heads in place, which saves megatron's reshape copy of the whole query
+        (~0.23 ms per layer at 22.8k tokens on an H200) and its saved copy's memory."""
+        if (not grouped_query_wanted() or output_gate or not split_qkv or kw
+                or self.config.num_query_groups < self.world_size):
+            return super().get_query_key_value_tensors(hidden_states, key_value_states, output_gate=output_gate,
+                                                       split_qkv=split_qkv, **kw)
+        mixed_qkv, split_sizes = super().get_query_key_value_tensors(hidden_states, key_value_states,
+                                                                     output_gate=False, split_qkv=False)
+        query, key, value = torch.split(mixed_qkv, split_sizes, dim=3)  # [s, b, groups, hpg * d | d | d]
+        # the deferred norms: hand their input back and queue themselves (rope.py)
+        return self.q_layernorm(query), self.k_layernorm(key), value
 
     def _defer_norms(self, args, kwargs) -> bool:
         psp = kwargs.get("packed_seq_params")

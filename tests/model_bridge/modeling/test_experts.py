@@ -262,7 +262,7 @@ def test_torch_backend_with_triton_kernels_interpreted(tiny_ckpt, qk_norm_rope):
     print(f"\n[torch vs local backend, Triton interpreted] logits rel {v['logits_rel']:.2e}, grads rel max "
           f"{v['grad_rel_max']:.2e}, worst {v['grad_worst']}, triton paths {v['triton_paths']}")
     assert v["triton_paths"] == {"glu": True, "gather_sum": True, "rope": not qk_norm_rope,
-                                 "norm_rope": qk_norm_rope}, v["triton_paths"]
+                                 "norm_rope": qk_norm_rope, "grouped_q": qk_norm_rope}, v["triton_paths"]
     assert v["logits_rel"] < FP32_TOL and v["grad_rel_max"] < 1e-4, v
 
 
@@ -322,7 +322,7 @@ def _rank_backends(hf_dir: str, tp: int, ep: int, check_ckpt_dir: str | None):
     import model_bridge.modeling.permute as pm
     import model_bridge.modeling.rope as rp
 
-    used = {"glu": False, "gather_sum": False, "rope": False, "norm_rope": False}
+    used = {"glu": False, "gather_sum": False, "rope": False, "norm_rope": False, "grouped_q": False}
     orig = (ex._glu_fwd_triton, pm.gather_sum, rp._rope_launch, rp._norm_rope_fwd)
 
     def spy(key, fn):
@@ -332,7 +332,11 @@ def _rank_backends(hf_dir: str, tp: int, ep: int, check_ckpt_dir: str | None):
         return wrapped
 
     ex._glu_fwd_triton, rp._rope_launch = spy("glu", orig[0]), spy("rope", orig[2])
-    rp._norm_rope_fwd = spy("norm_rope", orig[3])
+    def norm_rope_spy(x, w, *a, **k):  # the query read in place: [T, groups, hpg * d], heads wider than w
+        used["grouped_q"] |= x.shape[-1] != w.shape[0]
+        return spy("norm_rope", orig[3])(x, w, *a, **k)
+
+    rp._norm_rope_fwd = norm_rope_spy
     ex_gs = pm._triton_gather_sum_kernel
 
     def gs_spy():

@@ -96,3 +96,55 @@ def test_positions_equal_hf_get_rope_index(tiny_ckpt):
         fake, input_ids, attention_mask=torch.ones_like(input_ids))
     assert torch.equal(hf_audio[:, 0].long(), ours)
     assert torch.equal(hf_text[:, 0].long(), ours)
+
+
+# ------------------------------------------------------------------------------------------------
+# the one-launch angle kernel (CUDA; Triton's interpreter on CPU here)
+# ------------------------------------------------------------------------------------------------
+
+def _kernel_vs_eager(device: str) -> dict:
+    """The kernel's angles (bit-equal to the eager path's) and the cos/sin it hands to the fused
+    RoPE (within 2 fp32 ulps of torch's), per (head_dim, section, T); T = 0 included."""
+    import model_bridge.modeling.mrope as m
+    from model_bridge.modeling.rope import _cos_sin
+
+    g = torch.Generator().manual_seed(0)
+    out = {}
+    for d, section, T in ((128, (24, 20, 20), 77), (32, (8, 4, 4), 5), (128, (24, 20, 20), 0)):
+        mod = m.InterleavedMRoPE(kv_channels=d, rotary_base=1e6, device=device)
+        pos = torch.randint(0, 5000, (3, 1, T), generator=g).to(device)
+        assert mod._kernel_ok(pos, section)
+        got = mod(pos, list(section))
+        want = m.interleaved_mrope_freqs(pos, mod.inv_freq, section)[:, :, None, :].transpose(0, 1)
+        cos, sin = _cos_sin(got, 1.0)  # from the kernel, through the cache
+        f = want.reshape(T, d)
+        out[f"{d}-{T}"] = {"shape": tuple(got.shape), "angles_equal": torch.equal(got, want),
+                           "cached": cos is got._mgrpo_cos_sin[2],
+                           "cos_sin_err": 0.0 if T == 0 else max(float((cos - f.cos()).abs().max()),
+                                                                 float((sin - f.sin()).abs().max()))}
+    return out
+
+
+def _check_kernel(res: dict) -> None:
+    for key, r in res.items():
+        d, T = (int(x) for x in key.split("-"))
+        assert r["shape"] == (T, 1, 1, d) and r["angles_equal"] and r["cached"], (key, r)
+        assert r["cos_sin_err"] <= 2.4e-7, (key, r)  # |cos| <= 1: two fp32 ulps at 1.0
+
+
+def test_mrope_kernel_interpreted():
+    import model_bridge.modeling.mrope as m
+    from megatron_grpo.testing.interpreted import run_interpreted
+
+    res = run_interpreted(m._mrope_kernel, _kernel_vs_eager, "cpu")
+    print(f"\n[MRoPE kernel, interpreted] {res}")
+    _check_kernel(res)
+
+
+@pytest.mark.gpu
+def test_mrope_kernel_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    res = _kernel_vs_eager("cuda")
+    print(f"\n[MRoPE kernel, GPU] {res}")
+    _check_kernel(res)

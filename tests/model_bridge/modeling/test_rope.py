@@ -51,6 +51,24 @@ def _norm_rope_errors(device: str) -> dict:
             out[key] = 0.0 if T == 0 else max(_rel(y.cpu(), ry), _rel(dx.cpu(), rdx), _rel(ww.grad.cpu(), rdw))
             if T == 0:
                 out[key] = float(ww.grad.abs().max())  # no tokens: a zero weight gradient
+        # megatron's grouped query, read in place: [T, groups, (hpg + 2) * d] qkv buffer, q = its
+        # first hpg * d columns per group (the split's view), heads g * hpg + i
+        for T, groups, hpg, d in ((37, 4, 8, 16), (5, 2, 3, 128)):
+            qkv = (torch.randn(T, groups, (hpg + 2) * d, generator=g) * 3).to(dtype)
+            w = (1 + 0.3 * torch.randn(d, generator=g)).to(dtype)
+            freqs = torch.randn(T, 1, 1, d, generator=g) * 4
+            go = torch.randn(T, groups * hpg, d, generator=g).to(dtype)
+            leaf = qkv.to(device).clone().requires_grad_()
+            ww = w.to(device).clone().requires_grad_()
+            cos, sin = rp._cos_sin(freqs.to(device), 1.0)
+            y = rp._FusedNormRope.apply(leaf[..., :hpg * d], ww, cos, sin, 1e-6)
+            y.backward(go.to(device))
+            x = qkv[..., :hpg * d].reshape(T, groups * hpg, d)
+            ry, rdx, rdw = _reference(x, w, freqs, 1e-6, go)
+            dx = leaf.grad[..., :hpg * d].reshape(T, groups * hpg, d).cpu()
+            assert float(leaf.grad[..., hpg * d:].abs().max()) == 0.0  # nothing reaches k and v
+            key = f"{str(dtype).split('.')[-1]}-{T}x{groups}x{hpg}x{d}-grouped"
+            out[key] = max(_rel(y.cpu(), ry), _rel(dx, rdx), _rel(ww.grad.cpu(), rdw))
     return out
 
 
@@ -159,3 +177,21 @@ def test_deferring_qk_norms_shadows_and_restores():
         assert queue == [att._modules["q_layernorm"], att._modules["k_layernorm"]]
         assert sorted(att.state_dict()) == keys and att._modules["q_layernorm"] is norm
     assert att.q_layernorm is norm and isinstance(att.k_layernorm, torch.nn.RMSNorm)
+
+
+def test_grouped_query_without_the_kernel_is_reshaped_first():
+    """On CPU (no Triton): a grouped query ``[T, groups, hpg * d]`` (as TorchSelfAttention hands it
+    over inside a ``grouped_query`` scope) gets megatron's reshape, then the deferred norm and the
+    RoPE: bit-equal to the ungrouped call. Outside such a scope the wrapper leaves shapes alone."""
+    rp, wrapped, orig, cfg, x, freqs, norm = _wrapper_and_inputs()
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    cp = _OneRankCP()
+    want = orig(norm(x).unsqueeze(1), freqs, cfg, None, cp_group=cp).squeeze(1)
+    grouped = x.reshape(9, 1, 2 * 16)  # one group of two heads
+    pending = [norm]
+    with torch.no_grad(), rp.fast_rope_scope(pending, grouped_query=True):
+        assert rp.grouped_query_wanted()
+        got = wrapped(grouped, freqs, cfg, cu_seqlens=cu, cp_group=cp)
+    assert pending == [] and got.shape == (9, 2, 16) and torch.equal(got, want)
+    with rp.fast_rope_scope([]):
+        assert not rp.grouped_query_wanted() and not rp._is_grouped_query(grouped, freqs)
