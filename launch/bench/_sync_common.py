@@ -107,15 +107,17 @@ def _now() -> float:
 
 
 class _Ctrl:
-    """A TCPStore between the two processes (hosted by the trainer) for metadata, barriers, results."""
+    """A TCPStore between the ``world`` processes (hosted by rank 0, the trainer) for metadata,
+    barriers, results."""
 
-    def __init__(self, port: int, rank: int, timeout_s: float):
+    def __init__(self, port: int, rank: int, timeout_s: float, world: int = 2):
         from datetime import timedelta
 
         import torch.distributed as dist
 
-        self.rank = rank
-        self.store = dist.TCPStore("127.0.0.1", port, 2, is_master=rank == 0, timeout=timedelta(seconds=timeout_s))
+        self.rank, self.world = rank, world
+        self.store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
+                                   timeout=timedelta(seconds=timeout_s))
         self._n = 0
 
     def put(self, key: str, value) -> None:
@@ -128,7 +130,7 @@ class _Ctrl:
         self._n += 1
         key = f"barrier/{self._n}"
         self.store.add(key, 1)
-        while self.store.add(key, 0) < 2:
+        while self.store.add(key, 0) < self.world:
             time.sleep(0.0002)
 
 

@@ -92,3 +92,51 @@ def _plot(res: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _print_summary_ep(res: dict) -> None:
+    """The table of ``--ep N``: raw ceilings, direct, gather (seconds, GB/s), the serial phases, the check."""
+    p = res["plan"]
+    print(f"\nEP{res['ep']}: {p['tensors']:,} tensors, {p['payload_bytes'] / GB:.3f} GB; direct: {p['direct_buckets']} "
+          f"buckets from {len(p['senders'])} senders, gather: {p['gather_buckets']} buckets from rank 0 "
+          f"({res['transport']['kind']}/{res['transport']['backend']})")
+    print(f"{'':<12} {'seconds':>9} {'GB/s':>8}")
+    for k in ("raw_direct", "raw_single", "direct", "gather"):
+        print(f"{k:<12} {res[k]['seconds']:>9.4f} {res[k]['gb_per_s']:>8.2f}")
+    for k in ("direct", "gather"):
+        s = res[k]["serial"]
+        print(f"{k} serial {s['seconds']:.4f} s: " + "; ".join(
+            f"{who} " + ", ".join(f"{ph} {v:.4f}" for ph, v in phs.items()) for who, phs in s["phases_s"].items()))
+    c = res["check"]
+    print(f"gather seconds / direct seconds: {res['direct_speedup_vs_gather']:.2f}; raw_direct / direct: "
+          f"{res['direct_vs_raw_direct']:.2f}; check: {'ok' if c['ok'] else 'FAILED'} (direct "
+          f"{c['direct']['vs_single_rank_export']['equal']}/{c['tensors']}, gather "
+          f"{c['gather']['vs_single_rank_export']['equal']}/{c['tensors']} identical to the single-rank export_hf)")
+
+
+def _plot_ep(res: dict, path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    names = ["raw_direct", "direct", "raw_single", "gather"]
+    axes[0].bar(names, [res[n]["gb_per_s"] for n in names], color=["0.6", "tab:blue", "0.75", "tab:orange"])
+    axes[0].set_ylabel("GB/s (payload)")
+    colors, labelled = {}, set()
+    for mode in ("direct", "gather"):
+        for who, phs in res[mode]["serial"]["phases_s"].items():
+            bottom = 0.0
+            for ph, v in phs.items():
+                c = colors.setdefault(ph, f"C{len(colors) % 10}")
+                axes[1].bar([f"{mode}\n{who}"], [v], bottom=bottom, color=c, label=None if ph in labelled else ph)
+                labelled.add(ph)
+                bottom += v
+    axes[1].set_ylabel("seconds (serial pass)")
+    axes[1].tick_params(axis="x", labelsize=6)
+    axes[1].legend(fontsize=6)
+    fig.suptitle(f"weight sync EP{res['ep']} -> 1 receiver: {res['plan']['tensors']:,} tensors, "
+                 f"{res['plan']['payload_bytes'] / GB:.2f} GB, {res['transport']['backend']} "
+                 f"({res['env'].get('gpu', 'cpu')})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -99,3 +99,89 @@ def test_gpu_nccl_full_width_reduced(tmp_path):
     assert res["raw"]["gb_per_s"] > 20  # NVLink; a PCIe-only pair would still pass
     assert 0 < res["vs_raw"] <= 1.2
     assert (tmp_path / "bench_sync.png").exists()
+
+
+def _check_ep(res: dict, ep: int, out) -> None:
+    """``--ep N``: the receiver's tensors of both modes are the single-rank export_hf's, bit for bit."""
+    from launch.bench._sync_ep import _SeededSource
+
+    assert res["check"]["ok"], res["check"]
+    t = res["tensors"]
+    direct, gather, ref = t["direct"], t["gather"], t["reference"]
+    assert len(ref) == res["plan"]["tensors"] == res["check"]["tensors"]
+    assert list(gather) == list(ref)  # gather (export_to_rank0) keeps the single-rank order
+    assert set(direct) == set(ref)  # direct: each sender's own order, senders interleaved
+    for name, r in ref.items():
+        for got in (direct[name], gather[name]):
+            assert got.dtype == r.dtype and got.shape == r.shape, name
+            assert torch.equal(got.reshape(-1).view(torch.uint8), r.reshape(-1).view(torch.uint8)), name
+    assert sum(x.numel() * x.element_size() for x in direct.values()) == res["plan"]["payload_bytes"]
+    # the weights are the seeded HF-space tensors: export(load(W)) == W, every expert under its global index
+    cfg = bs.sync_config(2, 2, tiny=True)
+    src = _SeededSource(bs._checkpoint_layout(cfg, audio=True), 0, torch.device("cpu"))
+    for name in ("thinker.model.layers.1.mlp.experts.7.up_proj.weight", "thinker.model.layers.0.mlp.experts.0."
+                 "down_proj.weight", "thinker.model.embed_tokens.weight", "thinker.audio_tower.layers.1.fc2.weight"):
+        assert torch.equal(direct[name], src.read(name).to(direct[name].dtype)), name
+    assert not torch.equal(direct["thinker.model.layers.1.mlp.experts.7.up_proj.weight"],
+                           direct["thinker.model.layers.1.mlp.experts.6.up_proj.weight"])
+    # each EP rank sent its own experts, rank 0 also the dense tensors
+    senders = res["plan"]["senders"]
+    assert [s["rank"] for s in senders] == list(range(ep))
+    per = 8 // ep
+    assert [s["experts"] for s in senders] == [[per * r, per * r + per - 1] for r in range(ep)]
+    assert senders[0]["dense_tensors"] > 0 and all(s["dense_tensors"] == 0 for s in senders[1:])
+    saved = json.loads((out / f"bench_sync_ep{ep}.json").read_text())
+    assert saved["check"]["ok"] and "tensors" not in saved and saved["ep"] == ep
+    assert saved["transport"] == {"kind": "pg", "backend": "gloo", "buffers": 2, "group_ranks": ep + 1}
+    for k in ("raw_direct", "raw_single", "direct", "gather"):
+        assert saved[k]["seconds"] > 0 and saved[k]["gb_per_s"] > 0, k
+    for mode in ("direct", "gather"):
+        phases = saved[mode]["serial"]["phases_s"]
+        assert set(phases) == {f"rank {r}" for r in range(ep)} | {"receiver"}
+        assert set(phases["receiver"]) == {"receive", "unpack"}
+    assert set(saved["direct"]["serial"]["phases_s"]["rank 1"]) == {"export", "pack", "send"}
+    assert set(saved["gather"]["serial"]["phases_s"]["rank 0"]) == {"gather", "pack", "send"}
+    assert saved["gather"]["gather_stats"]["rank 0"]["recv_bytes"] > 0
+    assert saved["plan"]["direct_buckets"] >= ep and saved["plan"]["gather_buckets"] >= 2
+    assert [p["role"] for p in saved["processes"]] == ["trainer"] * ep + ["receiver"]
+
+
+@pytest.mark.parametrize("ep", [2, pytest.param(4, marks=pytest.mark.slow)])  # ~15 s / ~20 s on 2 cores
+def test_cpu_ep_direct_and_gather_equal_single_rank_export(tmp_path, ep):
+    """``--tiny --ep N`` over real gloo processes: N EP trainer ranks + a receiver."""
+    res = bs.run_bench(tmp_path, layers=2, audio_layers=2, tiny=True, device="cpu", ep=ep, bucket_mb=0.03,
+                       iters=1, warmup=0, keep_tensors=True, quiet=True, plot=False, timeout_s=240,
+                       hang_timeout_s=120)
+    _check_ep(res, ep, tmp_path)
+
+
+def test_ep_check_catches_changed_missing_and_duplicate_tensors():
+    from launch.bench._sync_ep import _compare_named
+
+    ref = {"meta": [("a", "bfloat16", (2,)), ("b", "float32", (1,))], "digests": [(1, 2), (3, 4)]}
+    assert _compare_named(ref, {"meta": ref["meta"][::-1], "digests": ref["digests"][::-1]})["ok"]  # any order
+    bad = _compare_named(ref, {"meta": ref["meta"], "digests": [(1, 2), (3, 5)]})
+    assert not bad["ok"] and bad["mismatched"] == ["b"] and bad["equal"] == 1
+    miss = _compare_named(ref, {"meta": ref["meta"][:1], "digests": ref["digests"][:1]})
+    assert not miss["ok"] and miss["missing"] == ["b"]
+    dup = _compare_named(ref, {"meta": ref["meta"] + ref["meta"][:1], "digests": ref["digests"] + ref["digests"][:1]})
+    assert not dup["ok"] and dup["duplicates"] == 1
+
+
+def test_ep_argument_errors(tmp_path):
+    with pytest.raises(SystemExit, match="must divide the number of experts"):
+        bs.run_bench(tmp_path, tiny=True, device="cpu", ep=3)
+    with pytest.raises(SystemExit, match="one-sender product transport"):
+        bs.run_bench(tmp_path, tiny=True, device="cpu", ep=2, transport="gloo")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not (torch.cuda.is_available() and torch.cuda.device_count() >= 3),
+                    reason="needs 3 CUDA devices (EP2 trainers cuda:0-1, receiver cuda:2)")
+def test_gpu_ep2_nccl_bit_exact_tiny(tmp_path):
+    res = bs.run_bench(tmp_path, layers=2, audio_layers=2, tiny=True, device="cuda", ep=2, bucket_mb=0.03, iters=1,
+                       warmup=1, keep_tensors=True, quiet=True, plot=False, timeout_s=500, hang_timeout_s=200)
+    assert res["transport"]["backend"] == "nccl"
+    assert res["check"]["ok"], res["check"]
+    t = res["tensors"]
+    assert set(t["direct"]) == set(t["reference"]) and list(t["gather"]) == list(t["reference"])
