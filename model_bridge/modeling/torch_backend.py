@@ -240,8 +240,11 @@ class _SortedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         if not self._device_counts:
             self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_permutation_1", self.tokens_per_expert)
         self.hidden_shape_before_permute = hidden_states.shape
-        idx = topk_indices(routing_map, self.config.moe_router_topk)
-        tokens, pprobs, plan = sort_by_expert(hidden_states, idx, probs)
+        # the fused routing kernel's ascending experts when the map came from it (routing.py)
+        idx = getattr(routing_map, "_mgrpo_topk_idx", None)
+        if idx is None or idx.shape != (routing_map.shape[0], self.config.moe_router_topk):
+            idx = topk_indices(routing_map, self.config.moe_router_topk)
+        tokens, pprobs, plan = sort_by_expert(hidden_states, idx, probs, routing_map)
         self._sort_plan = plan
         self.reversed_local_input_permutation_mapping = plan["src_rows"]
         return tokens, pprobs

@@ -56,3 +56,45 @@ def test_select_rows_is_index_select_bit_for_bit_gpu():
         pytest.skip("needs CUDA")
     res = _select_rows_cases("cuda")
     assert [ok for _, ok, _ in res] == [True] * 4, res
+
+
+def _counting_vs_argsort(device: str) -> dict:
+    """``sort_by_expert`` with the routing map (the counting sort) against the argsort path on the
+    same routing: rows, probabilities, plan, combine and gradients, bit for bit, per (T, E, k)."""
+    from model_bridge.modeling.permute import sort_by_expert, unsort_combine
+
+    g = torch.Generator().manual_seed(7)
+    out = {}
+    for T, E, k in ((1, 4, 1), (37, 8, 3), (700, 128, 8), (33, 16, 16)):
+        chosen_TK = torch.rand(T, E, generator=g).topk(k, dim=1).indices.sort(dim=1).values
+        rmap_TE = torch.zeros(T, E, dtype=torch.bool).scatter_(1, chosen_TK, True)
+        probs_TE = torch.rand(T, E, generator=g) * rmap_TE
+        x = torch.randn(T, 24, generator=g)
+        gy = torch.randn(T, 24, generator=g)
+        w = torch.randn(T * k, 24, generator=g)
+        res = []
+        for rmap in (rmap_TE, None):
+            xx = x.to(device).requires_grad_()
+            pp = probs_TE.to(device).requires_grad_()
+            rows, rp, plan = sort_by_expert(xx, chosen_TK.to(device), pp, None if rmap is None else rmap.to(device))
+            y = unsort_combine(rows * w.to(device) * rp.unsqueeze(-1), plan)
+            y.backward(gy.to(device))
+            res.append([t.detach().cpu() for t in (rows, rp, plan["inv"], plan["src_rows"], plan["experts_sorted"],
+                                                   y, xx.grad, pp.grad)])
+        out[f"{T}x{E}x{k}"] = [torch.equal(a, b) for a, b in zip(*res)]
+    return out
+
+
+def test_counting_sort_equals_argsort_interpreted():
+    from model_bridge.modeling.permute import _triton_sort_plan_kernel
+
+    res = run_interpreted(_triton_sort_plan_kernel, _counting_vs_argsort, "cpu")
+    assert all(all(v) for v in res.values()), res
+
+
+@pytest.mark.gpu
+def test_counting_sort_equals_argsort_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    res = _counting_vs_argsort("cuda")
+    assert all(all(v) for v in res.values()), res
