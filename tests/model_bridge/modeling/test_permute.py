@@ -65,7 +65,7 @@ def _counting_vs_argsort(device: str) -> dict:
 
     g = torch.Generator().manual_seed(7)
     out = {}
-    for T, E, k in ((1, 4, 1), (37, 8, 3), (700, 128, 8), (33, 16, 16)):
+    for T, E, k in ((1, 4, 1), (37, 8, 3), (700, 128, 8), (33, 16, 16), (2500, 16, 2)):  # T > a scan block
         chosen_TK = torch.rand(T, E, generator=g).topk(k, dim=1).indices.sort(dim=1).values
         rmap_TE = torch.zeros(T, E, dtype=torch.bool).scatter_(1, chosen_TK, True)
         probs_TE = torch.rand(T, E, generator=g) * rmap_TE
