@@ -113,8 +113,12 @@ def varlen_plan(psp, T: int, device: torch.device) -> VarlenPlan:
     idx = None
     if not contiguous:
         idx = to_device_async(torch.cat([torch.arange(s, s + n) for s, n in segs]), device)
-    plan = VarlenPlan(T=T, device=device, cu=to_device_async(torch.tensor(cu, dtype=torch.int32), device),
-                      max_len=max_len, n_real=cu[-1], idx=idx, src=src)
+    if (host is not None and tuple(cu) == host[0] and cu_q.dtype == torch.int32 and cu_q.device == device
+            and cu_q.dim() == 1):
+        cu_dev = cu_q  # the packer's (unpadded) device offsets are these: no second copy to the device
+    else:
+        cu_dev = to_device_async(torch.tensor(cu, dtype=torch.int32), device)
+    plan = VarlenPlan(T=T, device=device, cu=cu_dev, max_len=max_len, n_real=cu[-1], idx=idx, src=src)
     try:
         psp._mgrpo_varlen_plan = plan
     except (AttributeError, TypeError):  # a frozen/slotted PackedSeqParams: recompute next time

@@ -37,7 +37,17 @@ def test_plans_come_from_the_host_copy():
     assert host_offsets(norm) == ((0, 3, 7), (0, 3, 10))
     assert norm.cu_seqlens_q_padded.tolist() == [0, 3, 10]  # megatron's own THD code gets them from the host too
     plan = varlen_plan(norm, 10, torch.device("cpu"))
-    assert plan.cu.tolist() == [0, 3, 7] and plan.n_real == 7 and plan.max_len == 4 and plan.idx is None
+    # the plan's numbers come from the host; its device offsets are the packer's own tensor (the
+    # varlen offsets of the gathered samples are the unpadded ones: no second copy to the device)
+    assert plan.n_real == 7 and plan.max_len == 4 and plan.idx is None and plan.cu is psp.cu_seqlens_q
+    with_gap = _normalize_packed(thd_params([0, 3, 7], "cpu"), 10)
+    with_gap.cu_seqlens_q_padded = torch.tensor([0, 4, 10], dtype=torch.int32)  # a gap after sample 0
+    from model_bridge.modeling.thd import attach_host_offsets
+
+    attach_host_offsets(with_gap, (0, 3, 7), (0, 4, 10))
+    gplan = varlen_plan(with_gap, 10, torch.device("cpu"))
+    # with gaps the samples are gathered together first: their offsets are still the unpadded ones
+    assert gplan.cu is with_gap.cu_seqlens_q and gplan.idx.tolist() == [0, 1, 2, 4, 5, 6, 7]
 
 
 def _rank_no_syncs(hf_dir: str) -> dict:
