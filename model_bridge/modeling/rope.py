@@ -359,8 +359,10 @@ def _cos_sin(freqs: torch.Tensor, mscale: float):
 
 
 def _fused_rope_ok(t: torch.Tensor, freqs: torch.Tensor, config) -> bool:
+    """The kernels cover ``t``'s RoPE with angles ``freqs`` (head dim ``d = freqs.shape[-1]``; the
+    callers check that ``t``'s heads are ``d`` wide, plain or grouped)."""
     d = freqs.shape[-1]
-    return (triton_runs_on(t.is_cuda) and t.shape[-1] == d and d % 2 == 0 and (d // 2) & (d // 2 - 1) == 0
+    return (triton_runs_on(t.is_cuda) and d % 2 == 0 and (d // 2) & (d // 2 - 1) == 0
             and not getattr(config, "rotary_interleaved", False)
             and not getattr(config, "multi_latent_attention", False) and _triton_kernels() is not None)
 
@@ -385,7 +387,7 @@ def _make_fast_rope(orig):
             # the query as TorchSelfAttention hands it over when the norm is deferred: [T, groups,
             # hpg * d], a view of the qkv buffer; the fused kernel reads it in place
             if norm is not None and cu_seqlens is not None and freqs.shape[0] == t.shape[0] and freqs.shape[1] == 1 \
-                    and (cp_group is None or cp_group.size() == 1) and _fused_rope_ok(t[..., :freqs.shape[-1]], freqs, config):
+                    and (cp_group is None or cp_group.size() == 1) and _fused_rope_ok(t, freqs, config):
                 eps = norm.eps if norm.eps is not None else torch.finfo(t.dtype).eps
                 return _FusedNormRope.apply(t, norm.weight, *_cos_sin(freqs, float(mscale)), float(eps))
             t = t.reshape(t.shape[0], -1, freqs.shape[-1])  # megatron's [T, heads, d] (a copy)
@@ -395,7 +397,7 @@ def _make_fast_rope(orig):
                 and (cp_group is None or cp_group.size() == 1)):
             # per-token angles for every packed token and no CP: megatron's THD path (cp=1, packed
             # freqs) applies exactly these angles row by row, after reading cu_seqlens to the host
-            if _fused_rope_ok(t, freqs, config):
+            if t.shape[-1] == freqs.shape[-1] and _fused_rope_ok(t, freqs, config):
                 cos, sin = _cos_sin(freqs, float(mscale))
                 if norm is not None:
                     eps = norm.eps if norm.eps is not None else torch.finfo(t.dtype).eps
