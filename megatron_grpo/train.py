@@ -6,6 +6,7 @@ this file holds the loop and what each rank decides per step.
 """
 from __future__ import annotations
 
+import functools
 import json
 import time
 from pathlib import Path
@@ -37,6 +38,11 @@ def _step_metrics(step: int, trajs, train: dict, push_s: float, times: dict) -> 
          "turns/mean": sum(t.num_turns for t in trajs) / max(1, len(trajs)),
          # steps between the policy that sampled and the one trained (0 on-policy, 1 with overlap)
          "rollout/weight_lag": float(step - 1 - min((t.weight_version for t in trajs), default=step - 1))}
+    groups = {}
+    for t in trajs:
+        groups.setdefault(t.group_id, []).append(t.reward)
+    if groups:  # share of groups whose samples all scored the same: advantage 0, no signal (TRL's name)
+        m["reward/frac_zero_std"] = sum(max(r) == min(r) for r in groups.values()) / len(groups)
     for name in (trajs[0].reward_terms if trajs else {}):
         vals = [t.reward_terms.get(name) for t in trajs if t.reward_terms.get(name) is not None]
         if vals:
@@ -48,6 +54,20 @@ def _step_metrics(step: int, trajs, train: dict, push_s: float, times: dict) -> 
     m["time/step"] = total
     m["tokens_per_s"] = m.get("tokens_total", m["tokens/generated"]) / max(total, 1e-9)
     return m
+
+
+def _warn_no_signal(step: int, m: dict, streak: bool, say=None) -> bool:
+    """One line (through `say`, default print) when a streak of steps without any learning signal
+    begins: every group's samples scored the same, so every advantage is 0. Returns whether this
+    step continues such a streak."""
+    now = m.get("reward/frac_zero_std") == 1.0
+    if now and not streak:
+        line = (f"[train] step {step}: every group's samples scored the same (mean reward "
+                f"{m['reward/mean']:.3f}), so every advantage is 0 and the update only follows auxiliary "
+                "losses; if the reward is not already at its maximum, raise rollout.temperature or "
+                "rollout.num_generations, or check the reward functions (reward/* in metrics.jsonl)")
+        (say or functools.partial(print, flush=True))(line)
+    return now
 
 
 PREEMPTED_MARKER = "PREEMPTED"
@@ -150,6 +170,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
     preempt = PreemptionHandler().install()
     g = cfg.guard
     code = 0
+    no_signal = False
     try:
         with Watchdog(g.step_timeout_s, run_dir, first_step_timeout_s=g.first_step_timeout_s) as wd:
             for step in range(start + 1, cfg.trainer.steps + 1):
@@ -179,6 +200,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
                     if rank == 0:                                               # 6. log
                         m = {**_step_metrics(step, trajs, train_metrics, push_s, times), **extra}
                         logger.log(step, m)
+                        no_signal = _warn_no_signal(step, m, no_signal, say=bar.write if bar else None)
                         if bar:
                             bar.set_postfix(reward=f"{m['reward/mean']:.3f}",  # rollout_kl: vLLM vs trainer
                                             rollout_kl=f"{m.get('mismatch_kl_k3', 0.0):.1e}",

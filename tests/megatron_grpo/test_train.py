@@ -91,3 +91,30 @@ def test_one_step_off_policy_overlap(tmp_path):
     m = _metrics(run)
     assert [x["rollout/weight_lag"] for x in m] == [0.0, 1.0, 1.0]
     assert all(x["time/rollout"] < 1.0 for x in m[1:]), [x["time/rollout"] for x in m]
+
+
+def test_zero_std_groups_are_counted_and_a_streak_is_announced_once(capsys):
+    """`reward/frac_zero_std` is the share of groups whose samples all scored the same (their
+    advantages are 0); the first step of a streak where that share is 1 prints one line."""
+    from types import SimpleNamespace
+
+    from megatron_grpo.train import _step_metrics, _warn_no_signal
+
+    def traj(group, reward):
+        return SimpleNamespace(group_id=group, reward=reward, num_generated=4, num_turns=1, weight_version=0,
+                               reward_terms={"answer_chars": reward})
+
+    mixed = [traj(0, 0.5), traj(0, 0.5), traj(1, 0.0), traj(1, 0.25), traj(2, 1.0)]
+    m = _step_metrics(1, mixed, {}, 0.0, {"rollout": 1.0})
+    assert m["reward/frac_zero_std"] == pytest.approx(2 / 3)  # groups 0 and 2 (a group of one) are flat
+    flat = _step_metrics(2, [traj(0, 0.0), traj(0, 0.0), traj(1, 0.0), traj(1, 0.0)], {}, 0.0, {})
+    assert flat["reward/frac_zero_std"] == 1.0
+
+    streak = _warn_no_signal(1, m, False)
+    assert not streak and capsys.readouterr().out == ""
+    streak = _warn_no_signal(2, flat, streak)
+    assert streak
+    assert capsys.readouterr().out.startswith(
+        "[train] step 2: every group's samples scored the same (mean reward 0.000), so every advantage is 0")
+    assert _warn_no_signal(3, flat, streak) and capsys.readouterr().out == ""  # announced once per streak
+    assert not _warn_no_signal(4, m, True)
