@@ -11,8 +11,27 @@ import sys
 from megatron_grpo import __version__
 
 
+def _die(message: str) -> None:
+    """A one-line usage error: the message on stderr, exit status 2 (as argparse's own errors)."""
+    print(message, file=sys.stderr)
+    raise SystemExit(2)
+
+
+def _refuse_nonempty(cmd: str, out: str, force: bool) -> None:
+    """`--out` must be new or empty (or --force): writing into a real checkpoint or dataset
+    directory would leave a mix of its files and ours."""
+    from pathlib import Path
+
+    d = Path(out)
+    if d.exists() and (not d.is_dir() or any(d.iterdir())) and not force:
+        _die(f"mgrpo {cmd}: --out {d} exists and is not empty: choose a new directory, or pass "
+                         "--force to write into it (files of the same name are replaced, others stay)")
+
+
 def _cmd_make_tiny(args: argparse.Namespace) -> int:
     from model_bridge.tiny import make_tiny
+
+    _refuse_nonempty("make-tiny", args.out, args.force)
 
     out = make_tiny(args.out, preset=args.preset, seed=args.seed, with_talker=args.with_talker)
     print(f"tiny Qwen3-Omni checkpoint ({args.preset}, seed {args.seed}) written to {out}")
@@ -22,7 +41,13 @@ def _cmd_make_tiny(args: argparse.Namespace) -> int:
 def _cmd_make_data(args: argparse.Namespace) -> int:
     from megatron_grpo.data.synth import make_data
 
-    summary = make_data(args.out, n=args.n, n_dev=args.n_dev, seed=args.seed, speech=args.speech)
+    _refuse_nonempty("make-data", args.out, args.force)
+    if args.n < 0 or args.n_dev < 0:
+        _die(f"mgrpo make-data: --n and --n-dev must be >= 0, got {args.n} and {args.n_dev}")
+    try:
+        summary = make_data(args.out, n=args.n, n_dev=args.n_dev, seed=args.seed, speech=args.speech)
+    except RuntimeError as e:  # --speech without espeak-ng
+        _die(f"mgrpo make-data: {e}")
     print(f"synthetic audio-agent data written to {summary['out_dir']}: "
           f"{summary['n_train']} train rows ({summary['train_jsonl']}), "
           f"{summary['n_dev']} dev rows ({summary['dev_jsonl']}), "
@@ -46,6 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="weights seed (same seed -> identical bytes)")
     s.add_argument("--with-talker", action="store_true",
                    help="also write talker.* and code2wav.* tensors (for pass-through tests)")
+    s.add_argument("--force", action="store_true", help="write into a non-empty --out")
     s.set_defaults(func=_cmd_make_tiny)
 
     h = "write synthetic audio-agent data (audio + JSONL) in the user's format"
@@ -57,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="seed (same seed -> identical files)")
     s.add_argument("--speech", action="store_true",
                    help="add spoken-word events (needs espeak-ng on PATH)")
+    s.add_argument("--force", action="store_true", help="write into a non-empty --out")
     s.set_defaults(func=_cmd_make_data)
 
     from megatron_grpo.rollout.serve_cli import add_serve_parser  # argparse only: vLLM loads in `run_serve`
@@ -81,17 +108,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _deepest_parser(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.ArgumentParser:
+    """The (sub)parser of the command line's innermost subcommand, so an error shows its usage."""
+    for token in (sys.argv[1:] if argv is None else argv):
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        if subs and token in subs[0].choices:
+            parser = subs[0].choices[token]
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # subcommands that wrap another program (serve -> vLLM) take the arguments they do not know
     args, extra = parser.parse_known_args(argv)
+    if extra and isinstance(getattr(args, "overrides", None), list):
+        # KEY=VALUE overrides may come after an option (`mgrpo train --nproc 1 parallel.tp=1`)
+        args.overrides += [a for a in extra if "=" in a and not a.startswith("-")]
+        extra = [a for a in extra if not ("=" in a and not a.startswith("-"))]
     if extra:
         if not getattr(args, "accepts_extra_args", False):
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+            _deepest_parser(parser, argv).error(f"unrecognized arguments: {' '.join(extra)}")
         args.extra_args = extra
     if not getattr(args, "func", None):
-        parser.print_help()
-        return 0
+        parser.print_help(sys.stderr)
+        return 2
     return int(args.func(args) or 0)
 
 

@@ -48,6 +48,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 return _coerce(value, a, key)
             except ConfigKeyError as e:
                 errors.append(str(e))
+        if len(errors) == 1:  # Optional[X]: X's own message says more than the Union
+            raise ConfigKeyError(errors[0])
         raise ConfigKeyError(f"{key}: {value!r} fits none of {tp}")
     if _is_dataclass_type(tp):
         if isinstance(value, tp):
@@ -57,7 +59,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         return from_dict(tp, value, prefix=key)
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
-            raise ConfigKeyError(f"{key}: expected a list, got {value!r}")
+            hint = f" (one item: [{value}])" if isinstance(value, (str, int, float)) else ""
+            raise ConfigKeyError(f"{key}: expected a list, got {value!r}{hint}")
         args = typing.get_args(tp)
         inner = args[0] if args else Any
         items = [_coerce(v, inner, f"{key}[{i}]") for i, v in enumerate(value)]
@@ -158,7 +161,13 @@ def load_config(cls, path: str | Path | None = None, overrides: list[str] | None
         p = Path(path)
         if not p.is_file():
             raise ConfigKeyError(f"config file {p} not found")
-        loaded = yaml.safe_load(p.read_text()) or {}
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:  # one line naming the file and the place, not PyYAML's traceback
+            mark = getattr(e, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            raise ConfigKeyError(f"config file {p} is not valid YAML{where}: "
+                                 f"{getattr(e, 'problem', None) or e}") from None
         if not isinstance(loaded, dict):
             raise ConfigKeyError(f"config file {p} must hold a mapping at the top level")
         _deep_update(data, loaded)

@@ -155,6 +155,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
                 data.load_state_dict(extra["data"])
             if logger:
                 logger.truncate_after(start)
+        elif logger:  # a new run in a run dir without checkpoints: its metrics start afresh, unmixed
+            logger.truncate_after(0)
         if start > 0 or resume:  # the server must serve the checkpoint's weights, not the HF dir's
             feed.push(engine.model, start)
 

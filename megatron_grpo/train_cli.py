@@ -14,19 +14,35 @@ def add_train_parser(sub) -> None:
                                    "Without --config the embedded default runs: a tiny Qwen3-Omni, synthetic "
                                    "audio-agent data, a local vLLM CPU server, 2 trainer ranks (TP2).")
     s.add_argument("--config", help="YAML config (docs/configuration.md lists every key)")
-    s.add_argument("--nproc", type=int, default=None,
-                   help="trainer ranks to spawn (default: parallel.nproc; ignored under torchrun/srun)")
+    s.add_argument("--nproc", type=_positive_int, default=None,
+                   help="trainer ranks to spawn: the same as parallel.nproc=N (default: parallel.nproc, 2 for "
+                        "the embedded job; under torchrun/srun the launcher's world size counts)")
     s.add_argument("--resume", metavar="RUN_DIR",
                    help="continue RUN_DIR from its last checkpoint with its saved config")
     s.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides, e.g. optimizer.lr=1e-6")
     s.set_defaults(func=run_train)
 
 
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return n
+
+
 def _load(args):
     from megatron_grpo.config import TrainConfig, load_train_config
-    from megatron_grpo.configtree import load_config
+    from megatron_grpo.configtree import ConfigKeyError, load_config
 
-    overrides = list(args.overrides)
+    # --nproc is parallel.nproc: applied before the config's checks, which compare it with tp * pp
+    overrides = list(args.overrides) + ([f"parallel.nproc={args.nproc}"] if args.nproc else [])
+    if args.resume and args.config:
+        raise ConfigKeyError(f"--config {args.config} with --resume {args.resume}: a resumed run keeps its "
+                             f"saved config ({Path(args.resume) / 'config.json'}); pass changes as KEY=VALUE "
+                             "overrides instead")
     if args.resume:
         saved = Path(args.resume) / "config.json"
         if not saved.is_file():
@@ -52,13 +68,33 @@ def _check_model_fits(cfg, world_size: int) -> None:
         check_compatible(read_manifest(cfg.rollout.replay_dir), cfg.model.hf_dir, cfg.rollout.replay_dir)
     else:
         from megatron_grpo.data.reader import read_jsonl
+        from megatron_grpo.rollout.plugins import check_rollout_names
+        check_rollout_names(cfg.rollout)  # PluginError (a ValueError): unknown reward, tool, policy, plugin file
         read_jsonl(cfg.data.train_jsonl, cfg.data)  # DataError (a ValueError) names file, line, fix
+
+
+def _check_run_dir(run_dir: str, resume: bool) -> None:
+    """A new run never writes over an earlier run's checkpoints, and --resume needs one to resume."""
+    from megatron_grpo.engine.checkpoint import list_checkpoints
+
+    done = list_checkpoints(run_dir)
+    if done and not resume:
+        raise ValueError(f"trainer.run_dir={run_dir} already holds a run with checkpoints (newest: "
+                         f"{done[-1][1].name}): continue it with `mgrpo train --resume {run_dir}`, or start a "
+                         "new run in another trainer.run_dir (or remove that directory)")
+    if resume and not done:
+        raise ValueError(f"--resume {run_dir}: no complete checkpoint under {Path(run_dir) / 'checkpoints'} "
+                         "yet, so there is nothing to resume: start the run over without --resume (same "
+                         "trainer.run_dir; its metrics.jsonl starts afresh)")
 
 
 # megatron-core and torch warn about optional kernels we knowingly do without; keep the run's
 # output to what the user needs (the progress bar and real problems)
 _QUIET = (r".*(Apex|Transformer Engine|TE) (is|are) not installed.*", r".*full scope is deprecated.*",
-          r".*torch.distributed.*deprecated.*", r".*GPTModel IS DEPRECATED.*")
+          r".*torch.distributed.*deprecated.*", r".*GPTModel IS DEPRECATED.*",
+          # the CPU shim's torch function mode (model_bridge/mcore_cpu.py) sees every `.grad` read,
+          # megatron's reads of non-leaf tensors included, and torch names the shim's line as the culprit
+          r".*\.grad attribute of a Tensor that is not a leaf Tensor is being accessed.*")
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -75,9 +111,10 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"mgrpo train: config error: {e}", file=sys.stderr)
         return 2
     slurm_to_torch_env()
-    nproc = args.nproc or cfg.parallel.nproc
+    nproc = cfg.parallel.nproc
     if os.environ.get("RANK", "0") == "0":
         try:  # fail fast, in one line, before any rank starts
+            _check_run_dir(cfg.trainer.run_dir, bool(args.resume))
             _check_model_fits(cfg, int(os.environ.get("WORLD_SIZE", nproc)))
         except ValueError as e:
             print(f"mgrpo train: config error: {e}", file=sys.stderr)

@@ -7,7 +7,13 @@ cd "$(dirname "$0")/.."
 export MGRPO_CACHE=${MGRPO_CACHE:-$HOME/.cache/megatron-grpo}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 RUN_DIR=${RUN_DIR:-runs/demo}
-rm -rf "$RUN_DIR"
+if [ -e "$RUN_DIR" ]; then  # a fresh demo each time, but only ever over an earlier run's directory
+    if [ ! -f "$RUN_DIR/config.json" ]; then
+        echo "make demo: RUN_DIR=$RUN_DIR exists and is not a run directory (no config.json); choose another RUN_DIR" >&2
+        exit 2
+    fi
+    rm -rf "$RUN_DIR"
+fi
 t0=$(date +%s)
 .venv/bin/mgrpo train trainer.run_dir="$RUN_DIR" "$@"
 echo

@@ -160,6 +160,13 @@ def run_bench(out_dir, layers: int = 2, tokens: int | None = None, ep: int = 1, 
 
 def _cmd(args: argparse.Namespace) -> int:
     systems = [x for x in args.systems.split(",") if x]
+    from launch.bench._layers_ours import OUR_SYSTEMS
+    known = list(dict.fromkeys([*OUR_SYSTEMS, "hf_bs1", "hf_bs4", "mcore_local"]))
+    unknown = [x for x in systems if x not in known]
+    if unknown:
+        print(f"mgrpo bench layers: --systems: unknown {', '.join(unknown)}; choose from {','.join(known)}",
+              file=sys.stderr)
+        return 2
     run_bench(args.out, layers=args.layers, tokens=args.tokens, ep=args.ep, tiny=args.tiny, systems=systems,
               warmup=args.warmup, iters=args.iters, seed=args.seed, device=args.device, mb_tokens=args.mb_tokens,
               dtype=args.dtype, hang_timeout_s=args.hang_timeout, timeout_s=args.timeout)

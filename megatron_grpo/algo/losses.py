@@ -78,7 +78,7 @@ class LossConfig:
     eps_low: float = 0.2
     """Lower clip: ratios below 1 - eps_low stop pushing a negative advantage further."""
     eps_high: Optional[float] = None
-    """Upper clip: None means eps_low for GRPO/Dr.GRPO and :data:`DAPO_EPS_HIGH` for DAPO."""
+    """Upper clip. Unset: eps_low for GRPO/Dr.GRPO (the 0.2 shown), :data:`DAPO_EPS_HIGH` (0.28) for DAPO."""
     dual_clip_c: Optional[float] = None
     """Dual-clip bound c > 1 on -ratio * A for negative advantages; None disables it."""
     kl_coef: float = 0.0

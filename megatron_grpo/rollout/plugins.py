@@ -1,4 +1,4 @@
-"""Plugin API: one Python file (``rollout.plugin`` / ``--plugin FILE``) that registers reward
+"""Plugin API: one Python file (``rollout.plugin=FILE``) that registers reward
 functions, tools and a multi-turn policy with decorators.
 
 .. code-block:: python
@@ -206,7 +206,7 @@ def load_plugin(path) -> Registry:
     """Execute the plugin file ``path`` and return what it registered."""
     p = os.path.abspath(os.fspath(path))
     if not os.path.exists(p):
-        raise PluginError(f"plugin file not found: {path} (rollout.plugin / --plugin)")
+        raise PluginError(f"plugin file not found: {path} (rollout.plugin)")
     if os.path.isdir(p) or not p.endswith(".py"):
         raise PluginError(f"plugin {path} must be a Python file ending in .py")
     modname = "mgrpo_plugin_" + hashlib.sha256(p.encode()).hexdigest()[:12]
@@ -254,4 +254,16 @@ def load_registry(plugin_path=None) -> Registry:
     reg = builtin_registry().update(GLOBAL)
     if plugin_path:
         reg.update(load_plugin(plugin_path))
+    return reg
+
+
+def check_rollout_names(cfg) -> Registry:
+    """Load ``cfg.plugin`` and resolve every name the rollout config uses (tools, policy, reward
+    functions); a `PluginError` (a ValueError) names the culprit. `mgrpo train` calls this before
+    any rank or server starts, the rollout engine again when it is built."""
+    reg = load_registry(cfg.plugin)
+    reg.tools.select(cfg.tools)
+    reg.policy_class(cfg.policy)
+    for name in cfg.reward_funcs:
+        reg.reward(name)
     return reg

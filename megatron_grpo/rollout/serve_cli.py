@@ -54,12 +54,23 @@ def check_bind(host: str, allow_remote: bool, api_key: str | None) -> None:
                                 "Without them, keep the default --host 127.0.0.1.")
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The description as written, and an option's default in its help line where the help does
+    not already say it (a None or False default says nothing)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" not in text and action.default not in (None, False, argparse.SUPPRESS) and action.option_strings:
+            text += " (default: %(default)s)"
+        return text
+
+
 def add_serve_parser(sub) -> argparse.ArgumentParser:
     s = sub.add_parser(
         "serve", allow_abbrev=False,
         help="run a vLLM server (with our weight-sync extension) in the foreground",
         description=__doc__.split("\n\n")[0] + " Unknown arguments are passed to vLLM.",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=_HelpFormatter)
     s.add_argument("--model", required=True, help="HF checkpoint directory to serve")
     s.add_argument("--host", default="127.0.0.1",
                    help="bind address (default loopback; others need --allow-remote and an API key)")
@@ -72,11 +83,12 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="allow a non-loopback --host (needs an API key too)")
     s.add_argument("--served-model-name", default=None, help="model name in requests (default: dir name)")
     s.add_argument("--dtype", default="auto",
-                   help="weights/activations dtype (vLLM's --dtype); auto: the trainer's default, "
+                   help="weights/activations dtype (vLLM's --dtype; default auto): the trainer's default, "
                         "bfloat16 with CUDA, float32 without (vLLM's own auto would serve a float32 "
                         "checkpoint in bfloat16 on CPU too)")
     s.add_argument("--max-model-len", type=int, default=4096, help="longest prompt+completion, tokens")
-    s.add_argument("--max-num-seqs", type=int, default=16, help="concurrent sequences")
+    s.add_argument("--max-num-seqs", type=int, default=32,
+                   help="concurrent sequences (as `mgrpo train`'s serve.max_num_seqs)")
     s.add_argument("--max-audio-per-prompt", type=int, default=4, help="audio clips per request")
     s.add_argument("--weight-transfer", choices=["auto", "gloo", "nccl", "none"], default="auto",
                    help="weight-sync backend (auto: gloo without CUDA, nccl with it)")

@@ -93,6 +93,15 @@ def is_training_checkpoint(meta: dict) -> bool:
     return bool(meta) and meta.get("format") == TRAINING_FORMAT
 
 
+def _is_run_config(path: Path) -> bool:
+    """``path`` is the config.json `mgrpo train` writes into its run dir (not an HF config)."""
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg, dict) and isinstance(cfg.get("trainer"), dict) and "model_type" not in cfg
+
+
 def _run_dir_of(d: Path) -> Optional[Path]:
     """The training run directory ``d`` names: the run dir itself (it has ``checkpoints/``) or its
     ``checkpoints/`` dir; None otherwise."""
@@ -159,6 +168,9 @@ def check_dist_checkpoint(ckpt_dir: str | os.PathLike, spec=None, *, allow_train
         if _run_dir_of(d) is not None:
             hint = (" (it is a training run directory: `mgrpo convert mcore-to-hf --mcore` takes it and picks its "
                     "newest checkpoint; elsewhere pass one of its checkpoints/step_<8-digit step> dirs)")
+        elif _is_run_config(d / "config.json"):
+            hint = (" (it is a training run directory without a checkpoint yet: `mgrpo train` saves one every "
+                    "checkpoint.every steps and at the end; convert after the first one exists)")
         elif (d / "config.json").is_file() or any(d.glob("*.safetensors")):
             hint = " (it looks like an HF checkpoint: convert it with `mgrpo convert hf-to-mcore`)"
         raise CheckpointError(f"{d} has no metadata.json: not a Megatron dist checkpoint, or an incomplete one{hint}")

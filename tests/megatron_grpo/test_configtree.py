@@ -52,6 +52,17 @@ def test_wrong_type_and_post_init_errors_name_the_key():
         from_dict(Outer, {"inner": {"steps": 0}})
     with pytest.raises(ConfigKeyError, match="not of the form"):
         apply_overrides({}, ["inner.steps"])
+    with pytest.raises(ConfigKeyError, match=r"^tags: expected a list, got '/data' \(one item: \[/data\]\)$"):
+        from_dict(Outer, {"tags": "/data"})
+    with pytest.raises(ConfigKeyError, match=r"^inner.name: expected a string, got \[1\]$"):  # Optional[str]
+        from_dict(Outer, {"inner": {"name": [1]}})
+
+
+def test_yaml_syntax_error_names_the_file_and_place(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("seed: 3\ninner: {lr: 1\n")
+    with pytest.raises(ConfigKeyError, match=rf"^config file {p} is not valid YAML at line 3, column 1: "):
+        load_config(Outer, p)
 
 
 def test_field_docs_and_markdown():

@@ -39,6 +39,55 @@ def test_config_errors_are_one_line_naming_the_key(tmp_path):
     assert r.returncode == 2  # (building the embedded inputs on first use may log above the error)
     assert r.stderr.strip().splitlines()[-1:] == [
         "mgrpo train: config error: parallel layout does not fit the model: ep=3 does not divide num_experts=8"]
+    # --nproc N is parallel.nproc=N before the checks, and overrides may follow an option
+    r = _mgrpo("train", "--nproc", "3", "parallel.tp=1", "parallel.ep=3", f"trainer.run_dir={tmp_path}")
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1:] == [
+        "mgrpo train: config error: parallel layout does not fit the model: ep=3 does not divide num_experts=8"]
+    r = _mgrpo("train", "--nproc", "0")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == \
+        "mgrpo train: error: argument --nproc: must be a positive integer, got '0'"
+    r = _mgrpo("train", "--bogus", "1")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == "mgrpo train: error: unrecognized arguments: --bogus"
+
+
+def test_yaml_syntax_error_and_config_with_resume_are_one_line(tmp_path):
+    bad = tmp_path / "run.yaml"
+    bad.write_text("trainer: [1,2\n")
+    r = _mgrpo("train", "--config", str(bad))
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        f"mgrpo train: config error: config file {bad} is not valid YAML at line 2, column 1: "
+        "expected ',' or ']', but got '<stream end>'"]
+    r = _mgrpo("train", "--config", str(bad), "--resume", str(tmp_path))
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines() == [
+        f"mgrpo train: config error: --config {bad} with --resume {tmp_path}: a resumed run keeps its saved "
+        f"config ({tmp_path / 'config.json'}); pass changes as KEY=VALUE overrides instead"]
+
+
+def test_a_new_run_never_writes_over_checkpoints_and_resume_needs_one(tmp_path):
+    from megatron_grpo.engine.checkpoint import CHECKPOINT_FORMAT, META_FILE
+
+    run = tmp_path / "run"
+    run.mkdir()  # a run dir with a config but no checkpoint
+    (run / "config.json").write_text(json.dumps({"trainer": {"run_dir": str(run)}}))
+    r = _mgrpo("train", "--resume", str(run))
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"mgrpo train: config error: --resume {run}: no complete checkpoint under {run / 'checkpoints'} yet, "
+        "so there is nothing to resume: start the run over without --resume (same trainer.run_dir; its "
+        "metrics.jsonl starts afresh)")
+    step = run / "checkpoints" / "step_00000010"
+    step.mkdir(parents=True)
+    (step / META_FILE).write_text(json.dumps({"format": CHECKPOINT_FORMAT, "step": 10}))
+    r = _mgrpo("train", f"trainer.run_dir={run}")
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"mgrpo train: config error: trainer.run_dir={run} already holds a run with checkpoints (newest: "
+        f"step_00000010): continue it with `mgrpo train --resume {run}`, or start a new run in another "
+        "trainer.run_dir (or remove that directory)")
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.json"]  # nothing touched
 
 
 def test_bad_data_row_fails_before_any_rank_or_server_starts(tmp_path):
@@ -118,3 +167,16 @@ def test_zero_std_groups_are_counted_and_a_streak_is_announced_once(capsys):
         "[train] step 2: every group's samples scored the same (mean reward 0.000), so every advantage is 0")
     assert _warn_no_signal(3, flat, streak) and capsys.readouterr().out == ""  # announced once per streak
     assert not _warn_no_signal(4, m, True)
+
+
+def test_unknown_reward_or_plugin_fails_before_any_rank_or_server_starts(tmp_path):
+    r = _mgrpo("train", "rollout.reward_funcs=[iuo]", f"trainer.run_dir={tmp_path / 'a'}")
+    assert r.returncode == 2, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("mgrpo train: config error: unknown reward function 'iuo' (did you mean 'iou'?); "
+                           "registered: ['answer_chars', 'format', 'iou'"), last
+    r = _mgrpo("train", f"rollout.plugin={tmp_path / 'nope.py'}", f"trainer.run_dir={tmp_path / 'b'}")
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == \
+        f"mgrpo train: config error: plugin file not found: {tmp_path / 'nope.py'} (rollout.plugin)"
+    assert not (tmp_path / "a" / "vllm-server.log").exists() and not (tmp_path / "b" / "vllm-server.log").exists()

@@ -135,7 +135,10 @@ def test_check_dist_checkpoint_errors(tiny_ckpt, tmp_path):
 
     (tmp_path / "empty").mkdir()
     (tmp_path / "file").write_text("x")
+    (tmp_path / "run").mkdir()  # `mgrpo train`'s run dir before its first checkpoint
+    (tmp_path / "run" / "config.json").write_text(json.dumps({"trainer": {"steps": 20}, "model": {}}))
     cases = {
+        tmp_path / "run": r"it is a training run directory without a checkpoint yet: `mgrpo train` saves one",
         tmp_path / "nope": r"does not exist",
         tmp_path / "file": r"is not a directory",
         tmp_path / "empty": r"has no metadata\.json: not a Megatron dist checkpoint",

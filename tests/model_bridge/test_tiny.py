@@ -343,3 +343,9 @@ def test_presets_and_cli(tmp_path):
     from megatron_grpo.cli import main
     assert main(["make-tiny", "--out", str(tmp_path / "cli")]) == 0
     assert (tmp_path / "cli" / "model.safetensors.index.json").exists()
+    before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "cli").iterdir()}
+    with pytest.raises(SystemExit) as e:  # a non-empty --out (e.g. a real checkpoint) is never written into
+        main(["make-tiny", "--out", str(tmp_path / "cli"), "--seed", "1"])
+    assert e.value.code == 2
+    assert {p.name: p.stat().st_mtime_ns for p in (tmp_path / "cli").iterdir()} == before
+    assert main(["make-tiny", "--out", str(tmp_path / "cli"), "--force"]) == 0

@@ -225,6 +225,14 @@ def test_cli_make_data(tmp_path, capsys):
 
     assert main(["make-data", "--out", str(tmp_path / "d"), "--n", "1", "--n-dev", "1", "--seed", "3"]) == 0
     assert "1 train rows" in capsys.readouterr().out
+    for argv, message in (
+            (["--out", str(tmp_path / "d")], f"mgrpo make-data: --out {tmp_path / 'd'} exists and is not empty: "
+             "choose a new directory, or pass --force to write into it (files of the same name are replaced, "
+             "others stay)"),
+            (["--out", str(tmp_path / "e"), "--n", "-5"], "mgrpo make-data: --n and --n-dev must be >= 0, got -5 and 16")):
+        with pytest.raises(SystemExit) as e:
+            main(["make-data", *argv])
+        assert e.value.code == 2 and capsys.readouterr().err.strip() == message
     for name in ("train.jsonl", "dev.jsonl"):
         (row,) = _rows(tmp_path / "d" / name)
         check_row(row, path=name, line_no=1, base_dir=tmp_path / "d")
