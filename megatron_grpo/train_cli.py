@@ -70,6 +70,8 @@ def _check_model_fits(cfg, world_size: int) -> None:
         from megatron_grpo.data.reader import read_jsonl
         from megatron_grpo.rollout.plugins import check_rollout_names
         check_rollout_names(cfg.rollout)  # PluginError (a ValueError): unknown reward, tool, policy, plugin file
+        if cfg.rollout.server == "remote":
+            _check_servers_answer(cfg.rollout.server_urls, cfg.rollout.connect_timeout_s)
         read_jsonl(cfg.data.train_jsonl, cfg.data)  # DataError (a ValueError) names file, line, fix
 
 
@@ -86,6 +88,19 @@ def _check_run_dir(run_dir: str, resume: bool) -> None:
         raise ValueError(f"--resume {run_dir}: no complete checkpoint under {Path(run_dir) / 'checkpoints'} "
                          "yet, so there is nothing to resume: start the run over without --resume (same "
                          "trainer.run_dir; its metrics.jsonl starts afresh)")
+
+
+def _check_servers_answer(urls, timeout_s: float) -> None:
+    """Every remote server answers GET /health (no API key needed), so a wrong URL or a server that
+    is down fails here in one line instead of after the ranks have built the model."""
+    import requests
+
+    for url in urls:
+        try:
+            requests.get(f"{url.rstrip('/')}/health", timeout=timeout_s)
+        except requests.RequestException as e:
+            raise ValueError(f"rollout server {url} is unreachable ({type(e).__name__}); is `mgrpo serve` "
+                             "running there? (rollout.server_urls)") from None
 
 
 # megatron-core and torch warn about optional kernels we knowingly do without; keep the run's

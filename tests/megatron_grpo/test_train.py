@@ -180,3 +180,16 @@ def test_unknown_reward_or_plugin_fails_before_any_rank_or_server_starts(tmp_pat
     assert r.stderr.strip().splitlines()[-1] == \
         f"mgrpo train: config error: plugin file not found: {tmp_path / 'nope.py'} (rollout.plugin)"
     assert not (tmp_path / "a" / "vllm-server.log").exists() and not (tmp_path / "b" / "vllm-server.log").exists()
+
+
+def test_unreachable_remote_server_fails_before_any_rank_starts(tmp_path):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    r = _mgrpo("train", "rollout.server=remote", f"rollout.server_urls=[{url}]", f"trainer.run_dir={tmp_path}")
+    assert r.returncode == 2
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"mgrpo train: config error: rollout server {url} is unreachable (ConnectionError); is `mgrpo serve` "
+        "running there? (rollout.server_urls)")
