@@ -25,14 +25,13 @@ def _refuse_nonempty(cmd: str, out: str, force: bool) -> None:
     d = Path(out)
     if d.exists() and (not d.is_dir() or any(d.iterdir())) and not force:
         _die(f"mgrpo {cmd}: --out {d} exists and is not empty: choose a new directory, or pass "
-                         "--force to write into it (files of the same name are replaced, others stay)")
+             "--force to write into it (files of the same name are replaced, others stay)")
 
 
 def _cmd_make_tiny(args: argparse.Namespace) -> int:
     from model_bridge.tiny import make_tiny
 
     _refuse_nonempty("make-tiny", args.out, args.force)
-
     out = make_tiny(args.out, preset=args.preset, seed=args.seed, with_talker=args.with_talker)
     print(f"tiny Qwen3-Omni checkpoint ({args.preset}, seed {args.seed}) written to {out}")
     return 0
