@@ -139,7 +139,10 @@ def test_record_then_replay_without_a_server(tmp_path):
     assert [x["step"] for x in tp1] == [1, 2] and {x["rollout_source"] for x in tp1} == {"replay"}
     for k in ("samples", "global_num_tokens", "reward/mean", "reward/std"):
         assert tp1[0][k] == live[0][k], k  # the same data
-    assert tp1[0]["loss"] == pytest.approx(live[0]["loss"], abs=1e-7)  # measured 1.5e-8 (loss ~6e-7)
+    # the step-1 loss is O(1) per-token terms that cancel to ~1e-7 (each group's advantages sum to
+    # 0 and the ratio is 1), so TP1's and TP2's fp32 reduction orders alone move it by a few fp32
+    # eps: measured 1.5e-8 and 1.04e-7 apart in two runs; grad_norm below carries the parity
+    assert tp1[0]["loss"] == pytest.approx(live[0]["loss"], abs=5e-7)
     for k in ("grad_norm", "entropy", "moe_load_balancing_loss"):
         assert tp1[0][k] == pytest.approx(live[0][k], rel=1e-5), k  # measured <= 1e-7 (TP1 vs TP2)
 
