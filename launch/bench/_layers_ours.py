@@ -117,12 +117,14 @@ def probe_losses(model, spec, ids: list, probe, norm_w, device) -> dict:
 
 
 def run_ours(model, spec, ids: list, probe, norm_w, device, warmup: int, iters: int, profile_path=None,
-             capture_counts: bool = False, groups: list[list[int]] | None = None, barrier=None) -> dict:
+             capture_counts: bool = False, groups: list[list[int]] | None = None, barrier=None,
+             keep_step: bool = False) -> dict:
     """fwd+bwd of the packed batch (``groups``: micro-batches of sample indices, grads accumulated).
 
     Every rank of an EP run must call this with the same arguments apart from the data (same
     warmup/iters, ``profile_path`` given on all ranks or on none): each step is collective.
-    ``barrier`` (a callable) lines the ranks up before the timed steps."""
+    ``barrier`` (a callable) lines the ranks up before the timed steps. ``keep_step``: the result's
+    ``"step"`` is the step function (the kernel ceiling times it again, taking turns with its own)."""
     import torch
 
     mbs = _micro_batches(spec, ids, probe, device, groups)
@@ -174,4 +176,6 @@ def run_ours(model, spec, ids: list, probe, norm_w, device, warmup: int, iters: 
     if profile_path is not None and device.type == "cuda":
         res["profile"] = _profile(step, profile_path)
         res["host_syncs"] = _count_syncs(step)
+    if keep_step:
+        res["step"] = step
     return res

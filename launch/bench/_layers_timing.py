@@ -63,6 +63,24 @@ def _time_steps(step, device, warmup: int, iters: int, host_s: list | None = Non
     return out
 
 
+def time_alternating(fns: list, device, warmup: int, iters: int) -> list[list[float]]:
+    """Each of ``fns`` timed alone (:class:`_Timer`), taking turns: every round times ``fns[0]``,
+    ``fns[1]``, ... once, after ``warmup`` such rounds untimed. Things compared this way run in
+    the same GPU state: under back-to-back work an H200 at its power limit lowers its clocks
+    (measured 1.71-1.79 GHz during our steps, 1.97 GHz after 0.3 s idle), so two things timed one
+    after the other, or one of them in short bursts, are not on the same footing."""
+    for _ in range(warmup):
+        for f in fns:
+            f()
+    out = [[] for _ in fns]
+    for _ in range(iters):
+        for i, f in enumerate(fns):
+            with _Timer(device) as t:
+                f()
+            out[i].append(t.s)
+    return out
+
+
 def bench_loss(out, probe_lo):
     """The bench's loss ``sum(out * R)``: ``R`` already in ``out``'s dtype, the product in that dtype,
     summed in fp32 (one pass each way: the cheapest stand-in for an LM head, the same for every

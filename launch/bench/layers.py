@@ -21,8 +21,11 @@ What runs (one process, one GPU; all systems get the same weights and the same t
 * **kernel ceiling**: ``F.grouped_mm`` (both expert GEMMs, forward and backward, with the token
   counts per expert that ours saw in each layer), ``varlen_attn`` (causal GQA, the batch's
   ``cu_seqlens``) and the dense GEMMs (qkv, output projection, router) micro-benchmarked in the
-  same run on the same shapes. Their summed time is what the layers would take if they did
-  nothing but these kernels; ``ours / ceiling`` is ceiling time over our time.
+  same run on the same shapes, right after ours. Their summed time is what the layers would take
+  if they did nothing but these kernels; ``ours / ceiling`` is ceiling time over our time. A
+  stricter ceiling rides along: the same parts back to back in one timed step (no host gaps
+  between them), taking turns with our step so that both run in the same GPU state (an H200 at
+  its power limit lowers its clocks under back-to-back work); ``ours_vs_kernel_ceiling_back_to_back``.
 
 Geometry: Qwen3-Omni-30B-A3B's thinker (hidden 2048, 32 query / 4 KV heads of 128, 128 experts
 top-8 of width 768, vocab 152064, RMSNorm eps 1e-6, interleaved MRoPE) with ``--layers`` layers;
@@ -53,7 +56,7 @@ prologue (~1.5-2 ms for our thinker: the first kernels are small and megatron's 
 to reach the first GEMM). ``piped ms`` (``step_s_pipelined``) is the mean of ``--iters`` steps run
 back to back with no wait between them, as a trainer runs consecutive micro-batches: each step's
 prologue overlaps the previous step's tail. Both are in the JSON, with both ratios to the kernel
-ceiling (whose micro-benchmarks run back to back too); the targets are checked on ``step ms``.
+ceiling (whose micro-benchmarks time each call alone too); the targets are checked on ``step ms``.
 
 Outputs under ``--out``: ``bench_layers.json`` (every number, the environment, the commands),
 ``bench_layers.png`` (tok/s, TFLOP/s with the ceiling, peak memory), ``bench_layers_profile.txt``

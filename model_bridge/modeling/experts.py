@@ -107,10 +107,25 @@ def grouped_mm_available(device: torch.device | str, dtype: torch.dtype) -> bool
     return _probe_grouped_mm(dev.type, dev.index if dev.type != "cpu" else None, dtype)
 
 
+OFFSETS_ATTR = "_mgrpo_expert_offsets"
+
+
+def with_offsets(counts_E: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    """``counts_E`` (rows per expert) with its int32 cumulative sums attached, which
+    :func:`expert_offsets` then returns instead of computing them (one launch fewer per MoE layer
+    in the host-bound stretch between the router and the experts)."""
+    setattr(counts_E, OFFSETS_ATTR, offs_E)
+    return counts_E
+
+
 def expert_offsets(tokens_per_expert, device: torch.device) -> torch.Tensor:
     """int32 cumulative row counts ``[E]`` on ``device`` (``grouped_mm``'s ``offs``), without a
-    device sync: a host count vector is summed on the host and copied asynchronously."""
+    device sync: a host count vector is summed on the host and copied asynchronously; counts that
+    carry their offsets (:func:`with_offsets`, the dispatcher's counting sort made both) give those."""
     t = tokens_per_expert
+    offs = getattr(t, OFFSETS_ATTR, None)
+    if offs is not None and offs.device == torch.device(device):
+        return offs
     if not torch.is_tensor(t):
         t = torch.tensor(list(t), dtype=torch.int64)
     dev = torch.device(device)

@@ -213,7 +213,8 @@ _SORT_PLAN_BLOCK = 1024
 
 
 def _sort_plan_counting(topk_idx: torch.Tensor, routing_map: torch.Tensor, probs: Optional[torch.Tensor]):
-    """``(inv, src_rows, experts_sorted, permuted probs or None)`` of :func:`sort_by_expert` by a
+    """``(inv, src_rows, experts_sorted, permuted probs or None, counts [E] int32, offsets [E]
+    int32)`` of :func:`sort_by_expert` by a
     counting sort (CUDA): the (expert, token) order is each expert's first row plus the running
     count of its tokens (a scan per expert of the routing map), so there is no sort at all: 4
     launches in place of the argsort's ~15 (radix passes, memsets, index arithmetic), in the MoE
@@ -229,7 +230,8 @@ def _sort_plan_counting(topk_idx: torch.Tensor, routing_map: torch.Tensor, probs
     csum_ET = torch.empty(E, T, dtype=torch.int32, device=topk_idx.device)
     expert_scan[(E,)](rmap.view(torch.int8), csum_ET, T, E, BLOCK_T=_SCAN_BLOCK_T, num_warps=4)
     counts_E = csum_ET[:, -1]
-    start_E = counts_E.cumsum(0) - counts_E  # each expert's first row
+    offs_E = counts_E.cumsum(0, dtype=torch.int32)  # one past each expert's last row (grouped_mm's offs)
+    start_E = offs_E - counts_E  # each expert's first row
     n = T * k
     dev = topk_idx.device
     inv, src_rows, experts_sorted, flat = (torch.empty(n, dtype=torch.long, device=dev) for _ in range(4))
@@ -238,7 +240,7 @@ def _sort_plan_counting(topk_idx: torch.Tensor, routing_map: torch.Tensor, probs
         BLOCK=_SORT_PLAN_BLOCK, num_warps=4)
     # one differentiable gather (backward: an index_add into [T * E], as the argsort path's gather)
     pprobs = None if probs is None else probs.reshape(-1).index_select(0, flat)
-    return inv, src_rows, experts_sorted, pprobs
+    return inv, src_rows, experts_sorted, pprobs, counts_E, offs_E
 
 
 def sort_by_expert(tokens: torch.Tensor, topk_idx: torch.Tensor, probs: Optional[torch.Tensor] = None,
@@ -247,13 +249,16 @@ def sort_by_expert(tokens: torch.Tensor, topk_idx: torch.Tensor, probs: Optional
     (megatron's permute order), their probabilities ``probs[t, e]`` from a dense ``[T, E]`` map,
     and the plan :func:`unsort_combine` needs. No host sync. With the bool ``routing_map [T, E]``
     (its True entries exactly ``topk_idx``'s, distinct per token) on CUDA: a counting sort
-    (:func:`_sort_plan_counting`); else one argsort over ``T * k`` keys. Both give the same order."""
+    (:func:`_sort_plan_counting`; the plan then also has the rows per expert, ``"counts"``, and
+    their int32 cumulative sums, ``"offsets"``); else one argsort over ``T * k`` keys. Both give
+    the same order."""
     T, k = topk_idx.shape
     if (routing_map is not None and T and triton_runs_on(tokens.is_cuda) and tokens.dim() == 2
             and _triton_sort_plan_kernel() is not None):
-        inv, src_rows, experts_sorted, pprobs = _sort_plan_counting(topk_idx, routing_map, probs)
+        inv, src_rows, experts_sorted, pprobs, counts, offs = _sort_plan_counting(topk_idx, routing_map, probs)
         out = gather_rows(tokens, src_rows, inv, k)
-        return out, pprobs, {"inv": inv, "src_rows": src_rows, "k": k, "experts_sorted": experts_sorted}
+        return out, pprobs, {"inv": inv, "src_rows": src_rows, "k": k, "experts_sorted": experts_sorted,
+                             "counts": counts, "offsets": offs}
     experts = topk_idx.reshape(-1)
     key = experts * T + torch.arange(T, device=experts.device).repeat_interleave(k)
     order = torch.argsort(key)  # keys are unique: the order is (expert, token)

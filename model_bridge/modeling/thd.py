@@ -15,7 +15,7 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["thd_params", "host_offsets", "attach_host_offsets", "to_device_async"]
+__all__ = ["thd_params", "host_offsets", "attach_host_offsets", "to_device_async", "ints_to_device"]
 
 _ATTR = "_mgrpo_host_offsets"
 
@@ -27,6 +27,17 @@ def to_device_async(t: torch.Tensor, device: torch.device | str) -> torch.Tensor
     if device.type != "cuda" or t.device.type != "cpu":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def ints_to_device(values: Sequence[int], device: torch.device | str, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """Host ints as a tensor on ``device`` without a host sync: built straight into pinned memory
+    (one host op fewer than :func:`to_device_async` of a pageable tensor: at the start of a step,
+    where each op costs the host 30-80 us on an H200 machine, that is measurable), then copied
+    non-blocking."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def attach_host_offsets(psp, cu: Sequence[int], cu_padded: Optional[Sequence[int]] = None):
@@ -59,7 +70,7 @@ def thd_params(cu_seqlens: Sequence[int], device: torch.device | str, max_seqlen
         raise ValueError(f"cu_seqlens must rise from 0, got {cu}")
     if max_seqlen is None:
         max_seqlen = max((b - a for a, b in zip(cu, cu[1:])), default=0)
-    cu_dev = to_device_async(torch.tensor(cu, dtype=torch.int32), device)
+    cu_dev = ints_to_device(cu, device)
     psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_dev, cu_seqlens_kv=cu_dev, max_seqlen_q=max_seqlen,
                           max_seqlen_kv=max_seqlen)
     return attach_host_offsets(psp, cu)

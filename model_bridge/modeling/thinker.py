@@ -35,7 +35,7 @@ from model_bridge.config import OmniSpec, ParallelLayout, check_layout, padded_v
 from .mrope import InterleavedMRoPE, mrope_position_ids
 from .specs import resolve_backend, thinker_layer_spec
 
-from .thd import attach_host_offsets, host_offsets, to_device_async
+from .thd import attach_host_offsets, host_offsets, ints_to_device
 
 __all__ = ["OmniThinker", "build_thinker", "gather_logits", "mrope_position_ids", "VOCAB_PAD_LOGIT"]
 
@@ -67,7 +67,7 @@ def _normalize_packed(psp, T: int):
         return psp
     if host is not None:  # from the host copy: writing a host int into a device tensor syncs
         padded_host = (host[1] or host[0])[:-1] + (T,)
-        padded = to_device_async(torch.tensor(padded_host, dtype=layout.dtype), layout.device)
+        padded = ints_to_device(padded_host, layout.device, layout.dtype)
     else:
         padded = layout.clone()
         padded[-1] = T

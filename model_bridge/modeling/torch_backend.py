@@ -54,12 +54,12 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispa
 
 from .attention import PackedCoreAttention, packed_segments, varlen_kwargs
 from .ep_dispatch import DedupExchange
-from .experts import TorchGroupedMLP, grouped_mm_available
+from .experts import TorchGroupedMLP, grouped_mm_available, with_offsets
 from .permute import sort_by_expert, topk_indices, unsort_combine
 from .router import ReusingTopKRouter, install_routing_reuse
 from .rope import defer_qk_norms, deferring_qk_norms, fast_rope_scope, grouped_query_wanted, install_fast_rope
 from .specs import _check_config, local_block_spec, register_backend
-from .thd import host_offsets, to_device_async
+from .thd import host_offsets, ints_to_device, to_device_async
 
 __all__ = ["torch_block_spec", "TorchCoreAttention", "TorchSelfAttention", "TorchMoELayer", "VarlenPlan",
            "varlen_plan", "TorchGroupedMLP"]
@@ -117,7 +117,7 @@ def varlen_plan(psp, T: int, device: torch.device) -> VarlenPlan:
             and cu_q.dim() == 1):
         cu_dev = cu_q  # the packer's (unpadded) device offsets are these: no second copy to the device
     else:
-        cu_dev = to_device_async(torch.tensor(cu, dtype=torch.int32), device)
+        cu_dev = ints_to_device(cu, device)
     plan = VarlenPlan(T=T, device=device, cu=cu_dev, max_len=max_len, n_real=cu[-1], idx=idx, src=src)
     try:
         psp._mgrpo_varlen_plan = plan
@@ -236,19 +236,25 @@ class _SortedAlltoAllTokenDispatcher(MoEAlltoAllTokenDispatcher):
         self.probs = probs
         self.routing_map = routing_map
         hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
-        self.tokens_per_expert = self.preprocess(routing_map)
         # one rank and grouped GEMM: the counts stay on the device (the experts' offsets are a
         # device cumsum), so the MoE layer makes no host sync; megatron reads them to the host
         self._device_counts = (self.ep_size * self.tp_size == 1 and not getattr(self, "drop_and_pad", False)
                                and grouped_mm_available(hidden_states.device, hidden_states.dtype))
-        if not self._device_counts:
-            self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_permutation_1", self.tokens_per_expert)
         self.hidden_shape_before_permute = hidden_states.shape
         # the fused routing kernel's ascending experts when the map came from it (routing.py)
         idx = getattr(routing_map, "_mgrpo_topk_idx", None)
         if idx is None or idx.shape != (routing_map.shape[0], self.config.moe_router_topk):
             idx = topk_indices(routing_map, self.config.moe_router_topk)
         tokens, pprobs, plan = sort_by_expert(hidden_states, idx, probs, routing_map)
+        if self._device_counts and "counts" in plan:
+            # the counting sort counted the rows per expert (and summed them): megatron's
+            # preprocess would count them again (routing_map.sum), the experts sum them again
+            self.tokens_per_expert = with_offsets(plan["counts"], plan["offsets"])
+        else:
+            self.tokens_per_expert = self.preprocess(routing_map)
+            if not self._device_counts:
+                self.tokens_per_expert = self._maybe_dtoh_and_synchronize("before_permutation_1",
+                                                                          self.tokens_per_expert)
         self._sort_plan = plan
         self.reversed_local_input_permutation_mapping = plan["src_rows"]
         return tokens, pprobs

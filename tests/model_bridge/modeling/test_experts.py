@@ -487,3 +487,14 @@ def test_grouped_mlp_cuda_matches_sequential_mlp():
         assert v < 1e-4, f"fp32 {k}: rel diff {v:.2e}"
     for k, v in res["bf16"].items():  # bf16 inputs/outputs, fp32 accumulation in both; rounding points differ
         assert v < 2e-2, f"bf16 {k}: rel diff {v:.2e}"
+
+
+def test_expert_offsets_use_the_attached_sums_and_compute_them_otherwise():
+    from model_bridge.modeling.experts import expert_offsets, with_offsets
+
+    counts = torch.tensor([3, 0, 5, 2], dtype=torch.int32)
+    attached = torch.tensor([3, 3, 8, 10], dtype=torch.int32)
+    assert expert_offsets(with_offsets(counts.clone(), attached), torch.device("cpu")) is attached
+    got = expert_offsets(counts, torch.device("cpu"))
+    assert got.dtype == torch.int32 and got.tolist() == [3, 3, 8, 10]
+    assert expert_offsets([3, 0, 5, 2], torch.device("cpu")).tolist() == [3, 3, 8, 10]

@@ -81,7 +81,11 @@ def _counting_vs_argsort(device: str) -> dict:
             y.backward(gy.to(device))
             res.append([t.detach().cpu() for t in (rows, rp, plan["inv"], plan["src_rows"], plan["experts_sorted"],
                                                    y, xx.grad, pp.grad)])
-        out[f"{T}x{E}x{k}"] = [torch.equal(a, b) for a, b in zip(*res)]
+            if rmap is not None:  # the counting sort's rows per expert and their sums (the experts' offsets)
+                counts, offs = plan["counts"].cpu(), plan["offsets"].cpu()
+                counts_ok = torch.equal(counts.long(), rmap_TE.sum(0)) and offs.dtype == torch.int32 \
+                    and torch.equal(offs.long(), rmap_TE.sum(0).cumsum(0))
+        out[f"{T}x{E}x{k}"] = [torch.equal(a, b) for a, b in zip(*res)] + [counts_ok]
     return out
 
 

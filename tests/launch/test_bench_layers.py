@@ -1,0 +1,51 @@
+"""``mgrpo bench layers``' kernel ceiling: the parts micro-benchmarked alone, and back to back
+taking turns with our step.
+
+The CPU test checks the order in which :func:`time_alternating` runs things (warm-up rounds
+untimed, then one of each per round). The GPU test runs the real command at the tiny geometry
+and checks both ceilings and the ratios computed from them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from launch.bench._layers_timing import time_alternating
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_time_alternating_takes_turns_after_untimed_warmup():
+    calls = []
+    fns = [lambda: calls.append("a"), lambda: calls.append("b"), lambda: calls.append("c")]
+    times = time_alternating(fns, torch.device("cpu"), warmup=2, iters=3)
+    assert calls == ["a", "b", "c"] * 5
+    assert [len(t) for t in times] == [3, 3, 3]
+    assert all(s >= 0 for t in times for s in t)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_ceiling_step_alternates_with_ours(tmp_path):
+    out = tmp_path / "l2"
+    cmd = [sys.executable, "-m", "launch.bench.layers", "--tiny", "--layers", "2", "--systems", "ours",
+           "--warmup", "1", "--iters", "3", "--out", str(out)]
+    p = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True,
+                       timeout=400)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
+    res = json.loads((out / "bench_layers.json").read_text())
+    kc = res["kernel_ceiling"]
+    assert len(kc["back_to_back_s"]) == len(kc["paired_step_s"]) == 3
+    assert kc["back_to_back_s_median"] == sorted(kc["back_to_back_s"])[1]
+    assert len(kc["layers"]) == 2
+    assert kc["total_s"] == pytest.approx(sum(x["grouped_mm_s"] + x["varlen_attn_s"] + x["dense_s"] for x in kc["layers"]))
+    r = res["ratios"]
+    assert r["ours_vs_kernel_ceiling"] == pytest.approx(kc["total_s"] / res["systems"]["ours"]["step_s_median"])
+    assert r["ours_vs_kernel_ceiling_back_to_back"] == pytest.approx(
+        kc["back_to_back_s_median"] / kc["paired_step_s_median"])
