@@ -27,7 +27,9 @@ local spec (same modules, same parameter names outside the experts) with four re
 
 With this backend the thinker also switches (same modules, class swapped, CUDA only) its word
 embedding to a sorted-segment weight gradient (:mod:`.embedding`) and its hidden-size RMSNorms to
-one Triton pass each way (:mod:`.norm`). Everything else (the EP all-to-all, ETP all-gather /
+one Triton pass each way (:mod:`.norm`), and megatron's tensor-parallel region mappings return their
+input where their group has one rank (:mod:`.tp_identity`: identities both ways, minus an autograd
+function each). Everything else (the EP all-to-all, ETP all-gather /
 reduce-scatter, router GEMM, aux loss, linears) is megatron's. On CPU or in fp32 the same modules fall back to the reference math
 (per-segment SDPA, the grouped_mm CPU kernel or a per-expert loop), which is what the CPU tests
 check against the ``"local"`` spec.
@@ -60,6 +62,7 @@ from .router import ReusingTopKRouter, install_routing_reuse
 from .rope import defer_qk_norms, deferring_qk_norms, fast_rope_scope, grouped_query_wanted, install_fast_rope
 from .specs import _check_config, local_block_spec, register_backend
 from .thd import host_offsets, ints_to_device, to_device_async
+from .tp_identity import install_tp1_identity_skips
 
 __all__ = ["torch_block_spec", "TorchCoreAttention", "TorchSelfAttention", "TorchMoELayer", "VarlenPlan",
            "varlen_plan", "TorchGroupedMLP"]
@@ -371,6 +374,7 @@ def torch_block_spec(config, vp_stage: Optional[int] = None, pp_rank: Optional[i
                                f"MoE spec {layer.submodules.mlp!r}")
     install_fast_rope()
     install_routing_reuse()
+    install_tp1_identity_skips()
     return block
 
 

@@ -118,3 +118,26 @@ def test_sorted_embedding_backward_gpu():
     print(f"\n[sorted embedding backward, GPU] {res}")
     for case, (ulps, same, zeros) in res.items():
         assert ulps < 8 and same and zeros, (case, ulps, same, zeros)
+
+
+def test_the_thinker_calls_the_lookup_directly_only_when_megatron_would_add_nothing():
+    """``_lookup_only``: every megatron feature that changes the embedding output keeps its module
+    (the thinker-vs-HF parity tests check the direct call's numbers)."""
+    from types import SimpleNamespace
+
+    from model_bridge.modeling.thinker import _lookup_only
+
+    def emb(**kw):
+        cfg = SimpleNamespace(sequence_parallel=kw.pop("sp", False), fp32_residual_connection=kw.pop("fp32", False),
+                              use_mup=kw.pop("mup", False), mup_embedding_mult=kw.pop("mult", 1.0))
+        e = SimpleNamespace(config=cfg, embedding_dropout=torch.nn.Dropout(kw.pop("p", 0.0)), training=kw.pop("train", True),
+                            add_position_embedding=kw.pop("pos", False), tokentype_embeddings=kw.pop("tt", None),
+                            reduce_scatter_embeddings=kw.pop("rs", False))
+        assert not kw
+        return e
+
+    assert _lookup_only(emb())
+    assert _lookup_only(emb(p=0.1, train=False)) and _lookup_only(emb(mup=True, mult=1.0))
+    for kw in ({"p": 0.1}, {"pos": True}, {"tt": object()}, {"rs": True}, {"sp": True}, {"fp32": True},
+               {"mup": True, "mult": 2.0}):
+        assert not _lookup_only(emb(**kw)), kw
