@@ -19,7 +19,12 @@ The selection itself, in the same case, is one Triton kernel each way on CUDA
 on an H200) when :func:`~model_bridge.modeling.routing.fused_routing_ok` says it computes
 megatron's ``topk_routing_with_score_function`` for the call's arguments (megatron-core 0.16 and
 0.19: no ``dense_output``, no precomputed indices, no TE fusion, fp32/bf16/fp16 logits,
-``E <= 512``; ``MGRPO_TRITON_ROUTING=0`` switches it off). Its ties go to the lowest expert index
+``E <= 512``; ``MGRPO_TRITON_ROUTING=0`` switches it off). Where the aux loss is the plain
+per-micro-batch load-balancing loss (no sequence or global variant, one TP x CP rank, no padding
+mask, no token dropping) the same kernels compute it too
+(:func:`~model_bridge.modeling.routing.fused_topk_routing_with_aux`), and
+:meth:`ReusingTopKRouter._apply_aux_loss` hands it to megatron's tracker and autoscaler
+(``attach_and_log_load_balancing_loss``) as megatron's ``_apply_aux_loss`` does. Its ties go to the lowest expert index
 (torch.topk's order is unspecified), and it is deterministic, so megatron's deterministic-algorithms
 branch (which only builds its dense outputs another way) needs no counterpart. Anything else calls
 megatron's functions unchanged.
@@ -29,12 +34,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+from typing import Optional
 
 import torch
 
 from megatron.core.transformer.moe.router import TopKRouter
 
-from .routing import fused_routing_ok, fused_topk_routing
+from .routing import fused_routing_ok, fused_topk_routing, fused_topk_routing_with_aux
 
 __all__ = ["ReusingTopKRouter", "install_routing_reuse"]
 
@@ -55,9 +61,17 @@ def _wrap_routing(orig):
     def topk_routing_with_score_function(logits, topk, *args, **kw):
         active = getattr(_STATE, "active", False)
         reusable = active and not args and _reusable(kw)
+        coeff = getattr(_STATE, "aux_coeff", None) if reusable else None
         if reusable and fused_routing_ok(logits, topk, **kw):  # one kernel for the whole selection
-            probs, routing_map = fused_topk_routing(logits, topk, kw.get("use_pre_softmax", False),
-                                                    kw.get("scaling_factor"))
+            if coeff is not None:  # and the load-balancing loss in the same kernels
+                T, E = logits.shape
+                probs, routing_map, aux, _ = fused_topk_routing_with_aux(
+                    logits, topk, E * coeff / (topk * T * T), kw.get("use_pre_softmax", False),
+                    kw.get("scaling_factor"))
+                _STATE.fused_aux = (logits, aux, T)
+            else:
+                probs, routing_map = fused_topk_routing(logits, topk, kw.get("use_pre_softmax", False),
+                                                        kw.get("scaling_factor"))
         else:
             probs, routing_map = orig(logits, topk, *args, **kw)
         if active:
@@ -77,6 +91,12 @@ def _wrap_aux_scores(orig):
             kw = {} if padding_mask is None else {"padding_mask": padding_mask}  # megatron 0.16 has none
             return orig(logits, topk, score_function, fused=fused, **kw)
         routing_map_TE = last[2]
+        fused = getattr(_STATE, "fused_aux", None)
+        if fused is not None and fused[0] is logits and padding_mask is None:
+            # the fused kernels computed the loss from these logits: no scores needed (the
+            # router's _apply_aux_loss takes the loss; seq/global aux losses are off, see
+            # ReusingTopKRouter._fused_aux_coeff)
+            return routing_map_TE, None
         scores_TE = torch.softmax(logits, dim=-1, dtype=torch.float32)  # as megatron computes them
         if padding_mask is not None:  # megatron >= 0.19: True marks padding; those tokens count nowhere
             valid_T1 = (~padding_mask).unsqueeze(-1)
@@ -100,13 +120,13 @@ def install_routing_reuse() -> None:
 
 
 @contextlib.contextmanager
-def _reuse_scope():
+def _reuse_scope(aux_coeff: Optional[float]):
     prev = getattr(_STATE, "active", False)
-    _STATE.active, _STATE.last = True, None
+    _STATE.active, _STATE.last, _STATE.aux_coeff, _STATE.fused_aux = True, None, aux_coeff, None
     try:
         yield
     finally:
-        _STATE.active, _STATE.last = prev, None
+        _STATE.active, _STATE.last, _STATE.aux_coeff, _STATE.fused_aux = prev, None, None, None
 
 
 class ReusingTopKRouter(TopKRouter):
@@ -114,5 +134,30 @@ class ReusingTopKRouter(TopKRouter):
 
     def routing(self, logits, *args, **kwargs):
         # the wrappers are installed once, with the torch backend's spec (torch_block_spec)
-        with _reuse_scope():
+        with _reuse_scope(self._fused_aux_coeff(args, kwargs)):
             return super().routing(logits, *args, **kwargs)
+
+    def _fused_aux_coeff(self, args, kwargs) -> Optional[float]:
+        """The load-balancing loss's coefficient when the fused routing kernels may compute it
+        (:func:`~model_bridge.modeling.routing.fused_topk_routing_with_aux`), else None: the plain
+        per-micro-batch aux loss only (no sequence or global variant), one tensor- and
+        context-parallel rank (its token counts are then this rank's), no padding mask, no token
+        dropping, training with gradients on (when megatron computes the loss at all)."""
+        if args or kwargs.get("padding_mask") is not None or not (self.training and torch.is_grad_enabled()):
+            return None
+        if self.config.moe_expert_capacity_factor is not None or self.tp_cp_group.size() != 1:
+            return None
+        if self.get_aux_loss_coeff("seq_aux_loss") or self.get_aux_loss_coeff("global_aux_loss"):
+            return None
+        coeff = self.get_aux_loss_coeff("aux_loss")
+        return float(coeff) if coeff else None
+
+    def _apply_aux_loss(self, probs, scores_for_aux_loss, routing_map, with_padding_mask: bool = False):
+        fused = getattr(_STATE, "fused_aux", None) if getattr(_STATE, "active", False) else None
+        if fused is None or scores_for_aux_loss is not None or with_padding_mask:
+            return super()._apply_aux_loss(probs, scores_for_aux_loss, routing_map, with_padding_mask)
+        _STATE.fused_aux = None
+        _, aux_loss, T = fused
+        # megatron's own ending of _apply_aux_loss (0.16 and 0.19): log it, attach its gradient
+        return self.attach_and_log_load_balancing_loss(probs, self.get_aux_loss_coeff("aux_loss"), aux_loss,
+                                                       "load_balancing_loss", self.tp_cp_group, valid_token_count=T)

@@ -49,6 +49,16 @@ way, no host sync, no atomics (deterministic, so megatron's ``torch.are_determin
 enabled()`` branch, which only changes how its dense outputs are built, has no counterpart here).
 ``MGRPO_TRITON_ROUTING=0`` switches it off (the router then calls megatron's function). CUDA only
 (or Triton's interpreter in tests).
+
+:func:`fused_topk_routing_with_aux` also computes megatron's load-balancing loss
+(``switch_load_balancing_loss_func`` over the fp32 softmax of all E logits and the routing map's
+token counts) in the same kernels: the forward kernel writes each program's column sums of the
+softmax and of the map, one more single-program kernel (``aux_reduce``) sums them in a fixed order
+and forms the loss, and the backward kernel adds the loss's gradient (the softmax backward of
+``aux_scale * count_e`` times the loss's incoming gradient) to the routing's, in fp32. That replaces
+megatron's ~7 small ops (a ``[T, E]`` softmax, two column sums, products; and their backward) in
+the MoE layer's host-bound stretch. The router uses it where megatron's loss is the plain
+per-micro-batch one (router.py).
 """
 from __future__ import annotations
 
@@ -59,7 +69,7 @@ import torch
 
 from ._triton import import_triton, triton_runs_on
 
-__all__ = ["fused_topk_routing", "fused_routing_ok"]
+__all__ = ["fused_topk_routing", "fused_topk_routing_with_aux", "fused_routing_ok"]
 
 MAX_EXPERTS = 512
 """Widest row a program holds in registers (``BE`` columns; the selection keeps an int64 key tile
@@ -85,7 +95,7 @@ later release) sends the call to megatron's function."""
 
 @functools.lru_cache(maxsize=None)
 def _kernels():
-    """``(fwd, bwd)`` Triton kernels; None without Triton or with ``MGRPO_TRITON_ROUTING=0``."""
+    """``(fwd, bwd, aux_reduce)`` Triton kernels; None without Triton or with ``MGRPO_TRITON_ROUTING=0``."""
     if (mods := import_triton("MGRPO_TRITON_ROUTING")) is None:
         return None
     triton, tl = mods
@@ -94,9 +104,9 @@ def _kernels():
     # interpreter, which resolves names in the module's globals; the few shared lines are repeated)
 
     @triton.jit
-    def routing_fwd(x_ptr, probs_ptr, map_ptr, idx_ptr, ptop_ptr, asc_ptr, T, E, sx, sp, sm, scale,
-                    K: tl.constexpr, PRE_SOFTMAX: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr,
-                    BK: tl.constexpr):
+    def routing_fwd(x_ptr, probs_ptr, map_ptr, idx_ptr, ptop_ptr, asc_ptr, pcol_ptr, pcnt_ptr, T, E, sx, sp, sm,
+                    scale, K: tl.constexpr, PRE_SOFTMAX: tl.constexpr, AUX: tl.constexpr, BT: tl.constexpr,
+                    BE: tl.constexpr, BK: tl.constexpr):
         rows_T = tl.program_id(0) * BT + tl.arange(0, BT)
         cols_E = tl.arange(0, BE)
         slots_K = tl.arange(0, BK)
@@ -162,10 +172,38 @@ def _kernels():
             col_T = tl.sum(tl.where(sel_TE & (rank_TE == j + 1), cols_E[None, :], 0), 1)
             asc_TK = tl.where(slots_K[None, :] == j, col_T[:, None].to(tl.int64), asc_TK)
         tl.store(asc_ptr + r64_T[:, None] * K + slots_K[None, :], asc_TK, mask=rmask_T[:, None] & smask_K[None, :])
+        if AUX:
+            # the load-balancing loss's inputs, this program's part: the column sums of the fp32
+            # softmax over all E (megatron's scores for the aux loss) and of the routing map, over
+            # the real rows (summed over the programs, in order, by aux_reduce)
+            ea_TE = tl.where(cmask_E[None, :], tl.exp(x_TE - tl.max(x_TE, 1)[:, None]), 0.0)
+            sa_TE = tl.where(rmask_T[:, None], ea_TE / tl.sum(ea_TE, 1)[:, None], 0.0)
+            part = tl.program_id(0).to(tl.int64) * BE + cols_E
+            tl.store(pcol_ptr + part, tl.sum(sa_TE, 0))
+            tl.store(pcnt_ptr + part, tl.sum((sel_TE & rmask_T[:, None]).to(tl.int32), 0))
 
     @triton.jit
-    def routing_bwd(g_ptr, x_ptr, idx_ptr, ptop_ptr, dx_ptr, T, E, sg, sx, sdx, scale, K: tl.constexpr,
-                    PRE_SOFTMAX: tl.constexpr, BT: tl.constexpr, BE: tl.constexpr):
+    def aux_reduce(pcol_ptr, pcnt_ptr, cnt_ptr, aux_ptr, n_parts, E, aux_scale, BE: tl.constexpr,
+                   BP: tl.constexpr):
+        # one program: the partial sums in a fixed order (deterministic), the counts per expert,
+        # and aux_scale * sum_e P_e * C_e (megatron's switch_load_balancing_loss_func)
+        cols_E = tl.arange(0, BE)
+        cmask_E = cols_E < E
+        p_E = tl.zeros([BE], dtype=tl.float32)
+        c_E = tl.zeros([BE], dtype=tl.int32)
+        for start in range(0, n_parts, BP):
+            parts_P = start + tl.arange(0, BP)
+            o_PE = parts_P.to(tl.int64)[:, None] * BE + cols_E[None, :]
+            m_PE = (parts_P < n_parts)[:, None] & cmask_E[None, :]
+            p_E += tl.sum(tl.load(pcol_ptr + o_PE, mask=m_PE, other=0.0), 0)
+            c_E += tl.sum(tl.load(pcnt_ptr + o_PE, mask=m_PE, other=0), 0)
+        tl.store(cnt_ptr + cols_E, c_E, mask=cmask_E)
+        tl.store(aux_ptr, tl.sum(p_E * c_E.to(tl.float32), 0) * aux_scale)
+
+    @triton.jit
+    def routing_bwd(g_ptr, x_ptr, idx_ptr, ptop_ptr, dx_ptr, cnt_ptr, gaux_ptr, T, E, sg, sx, sdx, scale, aux_scale,
+                    K: tl.constexpr, PRE_SOFTMAX: tl.constexpr, AUX: tl.constexpr, BT: tl.constexpr,
+                    BE: tl.constexpr):
         rows_T = tl.program_id(0) * BT + tl.arange(0, BT)
         cols_E = tl.arange(0, BE)
         rmask_T = rows_T < T
@@ -199,9 +237,26 @@ def _kernels():
         dx_TE = p_TE * (gs_TE - dot_T[:, None])
         if not PRE_SOFTMAX:
             dx_TE = tl.where(sel_TE, dx_TE, 0.0)
+        if AUX:
+            # the load-balancing loss: aux = aux_scale * sum_e C_e * sum_t s_te with s the fp32
+            # softmax over all E, so d aux / d s_te = aux_scale * C_e (times its incoming gradient),
+            # through the softmax's backward; added in fp32 (megatron adds the two branches' rounded
+            # gradients: one rounding more)
+            xa_TE = tl.load(x_ptr + r64_T[:, None] * sx + cols_E[None, :], mask=tmask_TE, other=0.0).to(tl.float32)
+            xa_TE = tl.where(cmask_E[None, :], xa_TE, float("-inf"))
+            ea_TE = tl.where(cmask_E[None, :], tl.exp(xa_TE - tl.max(xa_TE, 1)[:, None]), 0.0)
+            sa_TE = ea_TE / tl.sum(ea_TE, 1)[:, None]
+            ca_E = tl.load(cnt_ptr + cols_E, mask=cmask_E, other=0).to(tl.float32) * (tl.load(gaux_ptr) * aux_scale)
+            dota_T = tl.sum(sa_TE * ca_E[None, :], 1)
+            dx_TE += tl.where(cmask_E[None, :], sa_TE * (ca_E[None, :] - dota_T[:, None]), 0.0)
         tl.store(dx_ptr + r64_T[:, None] * sdx + cols_E[None, :], dx_TE.to(dx_ptr.dtype.element_ty), mask=tmask_TE)
 
-    return routing_fwd, routing_bwd
+    return routing_fwd, routing_bwd, aux_reduce
+
+
+_AUX_REDUCE_ROWS = 32
+"""Partial rows (programs of the forward) per step of :func:`aux_reduce` (1425 at 22.8k tokens:
+45 steps of 32 x 128)."""
 
 
 def _blocks(E: int, topk: int, tile: int) -> tuple[int, int, int]:
@@ -212,58 +267,102 @@ def _blocks(E: int, topk: int, tile: int) -> tuple[int, int, int]:
     return max(1, tile // block_e), block_e, triton.next_power_of_2(topk)
 
 
+def _routing_forward(ctx, logits_TE, topk: int, pre_softmax: bool, scale: float, aux_scale: Optional[float]):
+    """The forward of both functions below: ``(probs, map, aux or None, counts or None)``."""
+    import triton
+
+    x_TE = logits_TE if logits_TE.stride(-1) == 1 else logits_TE.contiguous()
+    T, E = x_TE.shape
+    dev = x_TE.device
+    aux = aux_scale is not None
+    probs_TE = torch.empty(T, E, dtype=x_TE.dtype, device=dev)
+    map_TE = torch.empty(T, E, dtype=torch.bool, device=dev)
+    idx_Tk = torch.empty(T, topk, dtype=torch.int32, device=dev)
+    asc_Tk = torch.empty(T, topk, dtype=torch.long, device=dev)
+    # the backward's probabilities: only without pre-softmax (with it, the scores are recomputed)
+    ptop_Tk = torch.empty(T if not pre_softmax else 0, topk, dtype=torch.float32, device=dev)
+    bt, be, bk = _blocks(E, topk, _FWD_TILE)
+    parts = triton.cdiv(T, bt)
+    # the aux loss's per-program column sums (softmax, counts), its value and the counts per expert
+    pcol_PE = torch.empty(parts if aux else 0, be, dtype=torch.float32, device=dev)
+    pcnt_PE = torch.empty(parts if aux else 0, be, dtype=torch.int32, device=dev)
+    cnt_E = torch.zeros(E if aux else 0, dtype=torch.int32, device=dev)
+    aux_loss = torch.zeros((), dtype=torch.float32, device=dev) if aux else None
+    kernels = _kernels()
+    if T:
+        # the map through an int8 view: Triton stores bytes, not i1; unused pointers: any tensor
+        kernels[0][(parts,)](
+            x_TE, probs_TE, map_TE.view(torch.int8), idx_Tk, ptop_Tk if not pre_softmax else idx_Tk, asc_Tk,
+            pcol_PE if aux else idx_Tk, pcnt_PE if aux else idx_Tk, T, E, x_TE.stride(0), probs_TE.stride(0),
+            map_TE.stride(0), scale, K=topk, PRE_SOFTMAX=pre_softmax, AUX=aux, BT=bt, BE=be, BK=bk,
+            num_warps=_FWD_WARPS)
+        if aux:
+            kernels[2][(1,)](pcol_PE, pcnt_PE, cnt_E, aux_loss, parts, E, float(aux_scale), BE=be,
+                             BP=_AUX_REDUCE_ROWS, num_warps=4)
+    ctx.mark_non_differentiable(map_TE, *([cnt_E] if aux else []))
+    ctx.set_materialize_grads(False)  # no [T, E] zeros for the map's (nonexistent) gradient
+    # pre-softmax or the aux loss keep the logits (a reference) to recompute the scores; without
+    # pre-softmax the [T, k] probabilities stand for the top-k's scores
+    ctx.save_for_backward(idx_Tk, x_TE if (pre_softmax or aux) else None, ptop_Tk if not pre_softmax else None,
+                          cnt_E if aux else None)
+    ctx.pre_softmax, ctx.scale, ctx.shape, ctx.dtype, ctx.aux_scale = pre_softmax, scale, (T, E), x_TE.dtype, aux_scale
+    # the map's experts, ascending, ride on it to the dispatcher (torch_backend.py), which would
+    # otherwise recover them from the map (topk_indices: 4 launches in a host-bound stretch)
+    map_TE._mgrpo_topk_idx = asc_Tk
+    return probs_TE, map_TE, aux_loss, (cnt_E if aux else None)
+
+
+def _routing_backward(ctx, grad_probs_TE, grad_aux):
+    """The logits' gradient ``[T, E]`` (None when neither output was used)."""
+    import triton
+
+    if grad_probs_TE is None and grad_aux is None:
+        return None
+    idx_Tk, x_TE, ptop_Tk, cnt_E = ctx.saved_tensors
+    T, E = ctx.shape
+    topk = idx_Tk.shape[1]
+    aux = grad_aux is not None
+    dev = idx_Tk.device
+    # no gradient for the probabilities (only the aux loss was used): zeros, which the kernel reads
+    g_TE = (grad_probs_TE if grad_probs_TE is not None else torch.zeros(T, E, dtype=ctx.dtype, device=dev))
+    g_TE = g_TE if g_TE.stride(-1) == 1 else g_TE.contiguous()
+    gaux = grad_aux.float().reshape(1) if aux else None
+    dx_TE = torch.empty(T, E, dtype=ctx.dtype, device=dev)
+    if T:
+        bt, be, _ = _blocks(E, topk, _BWD_TILE)
+        _kernels()[1][(triton.cdiv(T, bt),)](
+            g_TE, x_TE if x_TE is not None else g_TE, idx_Tk, ptop_Tk if ptop_Tk is not None else idx_Tk, dx_TE,
+            cnt_E if aux else idx_Tk, gaux if aux else g_TE, T, E, g_TE.stride(0),
+            x_TE.stride(0) if x_TE is not None else 0, dx_TE.stride(0), ctx.scale,
+            float(ctx.aux_scale) if aux else 0.0, K=topk, PRE_SOFTMAX=ctx.pre_softmax, AUX=aux, BT=bt, BE=be,
+            num_warps=_BWD_WARPS)
+    return dx_TE
+
+
 class _FusedTopKRouting(torch.autograd.Function):
     """``(routing_probs [T, E], routing_map [T, E])`` of ``logits [T, E]`` (module docstring)."""
 
     @staticmethod
     def forward(ctx, logits_TE, topk: int, pre_softmax: bool, scale: float):
-        import triton
-
-        x_TE = logits_TE if logits_TE.stride(-1) == 1 else logits_TE.contiguous()
-        T, E = x_TE.shape
-        dev = x_TE.device
-        probs_TE = torch.empty(T, E, dtype=x_TE.dtype, device=dev)
-        map_TE = torch.empty(T, E, dtype=torch.bool, device=dev)
-        idx_Tk = torch.empty(T, topk, dtype=torch.int32, device=dev)
-        asc_Tk = torch.empty(T, topk, dtype=torch.long, device=dev)
-        # the backward's probabilities: only without pre-softmax (with it, the scores are recomputed)
-        ptop_Tk = torch.empty(T if not pre_softmax else 0, topk, dtype=torch.float32, device=dev)
-        if T:
-            bt, be, bk = _blocks(E, topk, _FWD_TILE)
-            # the map through an int8 view: Triton stores bytes, not i1
-            _kernels()[0][(triton.cdiv(T, bt),)](
-                x_TE, probs_TE, map_TE.view(torch.int8), idx_Tk, ptop_Tk if not pre_softmax else idx_Tk, asc_Tk,
-                T, E, x_TE.stride(0), probs_TE.stride(0), map_TE.stride(0), scale,
-                K=topk, PRE_SOFTMAX=pre_softmax, BT=bt, BE=be, BK=bk, num_warps=_FWD_WARPS)
-        ctx.mark_non_differentiable(map_TE)
-        ctx.set_materialize_grads(False)  # no [T, E] zeros for the map's (nonexistent) gradient
-        # pre-softmax keeps the logits (a reference) to recompute the scores; otherwise the [T, k]
-        # probabilities replace them
-        ctx.save_for_backward(idx_Tk, x_TE if pre_softmax else ptop_Tk)
-        ctx.pre_softmax, ctx.scale, ctx.shape, ctx.dtype = pre_softmax, scale, (T, E), x_TE.dtype
-        # the map's experts, ascending, ride on it to the dispatcher (torch_backend.py), which would
-        # otherwise recover them from the map (topk_indices: 4 launches in a host-bound stretch)
-        map_TE._mgrpo_topk_idx = asc_Tk
+        probs_TE, map_TE, _, _ = _routing_forward(ctx, logits_TE, topk, pre_softmax, scale, None)
         return probs_TE, map_TE
 
     @staticmethod
     def backward(ctx, grad_probs_TE, _grad_map):
-        import triton
+        return _routing_backward(ctx, grad_probs_TE, None), None, None, None
 
-        if grad_probs_TE is None:  # the probabilities were not used
-            return None, None, None, None
-        idx_Tk, saved = ctx.saved_tensors
-        T, E = ctx.shape
-        topk = idx_Tk.shape[1]
-        g_TE = grad_probs_TE if grad_probs_TE.stride(-1) == 1 else grad_probs_TE.contiguous()
-        dx_TE = torch.empty(T, E, dtype=ctx.dtype, device=idx_Tk.device)
-        if T:
-            bt, be, _ = _blocks(E, topk, _BWD_TILE)
-            x_TE, ptop_Tk = (saved, idx_Tk) if ctx.pre_softmax else (g_TE, saved)  # unused pointers: any tensor
-            _kernels()[1][(triton.cdiv(T, bt),)](
-                g_TE, x_TE, idx_Tk, ptop_Tk, dx_TE, T, E, g_TE.stride(0), x_TE.stride(0), dx_TE.stride(0),
-                ctx.scale, K=topk, PRE_SOFTMAX=ctx.pre_softmax, BT=bt, BE=be, num_warps=_BWD_WARPS)
-        return dx_TE, None, None, None
+
+class _FusedTopKRoutingAux(torch.autograd.Function):
+    """:class:`_FusedTopKRouting` and megatron's load-balancing loss of the same logits:
+    ``(routing_probs [T, E], routing_map [T, E], aux_loss [], tokens_per_expert [E] int32)``."""
+
+    @staticmethod
+    def forward(ctx, logits_TE, topk: int, pre_softmax: bool, scale: float, aux_scale: float):
+        return _routing_forward(ctx, logits_TE, topk, pre_softmax, scale, aux_scale)
+
+    @staticmethod
+    def backward(ctx, grad_probs_TE, _grad_map, grad_aux, _grad_counts):
+        return _routing_backward(ctx, grad_probs_TE, grad_aux), None, None, None, None
 
 
 def fused_routing_ok(logits: torch.Tensor, topk: int, **kw) -> bool:
@@ -294,3 +393,16 @@ def fused_topk_routing(logits_TE: torch.Tensor, topk: int, use_pre_softmax: bool
     # megatron scales when the factor is truthy (0 and None: no scaling); x 1.0 is exact
     scale = float(scaling_factor) if scaling_factor else 1.0
     return _FusedTopKRouting.apply(logits_TE, int(topk), bool(use_pre_softmax), scale)
+
+
+def fused_topk_routing_with_aux(logits_TE: torch.Tensor, topk: int, aux_scale: float, use_pre_softmax: bool = False,
+                                scaling_factor: Optional[float] = None):
+    """:func:`fused_topk_routing` plus megatron's load-balancing loss of the same logits, in the
+    same kernels: ``(probs [T, E], routing_map [T, E], aux_loss [] fp32, tokens_per_expert [E] int32)``
+    with ``aux_loss = aux_scale * sum_e (sum_t softmax(logits)_te) * tokens_per_expert_e``
+    (``switch_load_balancing_loss_func`` with ``aux_scale = E * coeff / (k * T_total^2)``; the
+    softmax over all E in fp32). One more launch forward (the sums over the programs, in a fixed
+    order), none backward: its gradient joins the routing's in the same kernel. Replaces ~7 small
+    ops of megatron's aux loss (a softmax, two column sums, products) where the host paces the GPU."""
+    scale = float(scaling_factor) if scaling_factor else 1.0
+    return _FusedTopKRoutingAux.apply(logits_TE, int(topk), bool(use_pre_softmax), scale, float(aux_scale))

@@ -262,8 +262,8 @@ def test_torch_backend_with_triton_kernels_interpreted(tiny_ckpt, qk_norm_rope):
     print(f"\n[torch vs local backend, Triton interpreted] logits rel {v['logits_rel']:.2e}, grads rel max "
           f"{v['grad_rel_max']:.2e}, worst {v['grad_worst']}, triton paths {v['triton_paths']}")
     assert v["triton_paths"] == {"glu": True, "gather_sum": True, "rope": not qk_norm_rope,
-                                 "norm_rope": qk_norm_rope, "grouped_q": qk_norm_rope, "routing": True,
-                                 "counting_sort": True}, v["triton_paths"]
+                                 "norm_rope": qk_norm_rope, "grouped_q": qk_norm_rope, "routing": False,
+                                 "routing_aux": True, "counting_sort": True}, v["triton_paths"]
     assert v["logits_rel"] < FP32_TOL and v["grad_rel_max"] < 1e-4, v
 
 
@@ -326,9 +326,9 @@ def _rank_backends(hf_dir: str, tp: int, ep: int, check_ckpt_dir: str | None):
     import model_bridge.modeling.router as rt
 
     used = {"glu": False, "gather_sum": False, "rope": False, "norm_rope": False, "grouped_q": False,
-            "routing": False, "counting_sort": False}
+            "routing": False, "routing_aux": False, "counting_sort": False}
     orig = (ex._glu_fwd_triton, pm.gather_sum, rp._rope_launch, rp._norm_rope_fwd)
-    orig_routing = (rt.fused_topk_routing, pm._sort_plan_counting)
+    orig_routing = (rt.fused_topk_routing, pm._sort_plan_counting, rt.fused_topk_routing_with_aux)
 
     def spy(key, fn):
         def wrapped(*a, **k):
@@ -343,6 +343,7 @@ def _rank_backends(hf_dir: str, tp: int, ep: int, check_ckpt_dir: str | None):
 
     rp._norm_rope_fwd = norm_rope_spy
     rt.fused_topk_routing, pm._sort_plan_counting = spy("routing", orig_routing[0]), spy("counting_sort", orig_routing[1])
+    rt.fused_topk_routing_with_aux = spy("routing_aux", orig_routing[2])  # training with the aux loss on
     ex_gs = pm._triton_gather_sum_kernel
 
     def gs_spy():
@@ -363,7 +364,7 @@ def _rank_backends(hf_dir: str, tp: int, ep: int, check_ckpt_dir: str | None):
         models[backend] = model
     res["triton_paths"] = dict(used)
     ex._glu_fwd_triton, pm._triton_gather_sum_kernel, rp._rope_launch, rp._norm_rope_fwd = orig[0], ex_gs, *orig[2:]
-    rt.fused_topk_routing, pm._sort_plan_counting = orig_routing
+    rt.fused_topk_routing, pm._sort_plan_counting, rt.fused_topk_routing_with_aux = orig_routing
     res["expert_param_names"] = sorted({n.split("mlp.experts.")[1] for n, _ in models["torch"].named_parameters()
                                         if "mlp.experts." in n})
     res["logits_rel"] = _rel(outs["torch"]["logits"], outs["local"]["logits"])

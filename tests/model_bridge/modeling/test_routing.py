@@ -144,6 +144,71 @@ def test_fused_routing_matches_megatron_gpu():
     _check_vs_megatron(res, interpreted=False)
 
 
+_AUX_EPS = 16.0
+"""Largest error of the fused aux loss (of its value) and of the logits gradient with it (of the
+largest gradient or of the aux term before its cancellation), in fp32 epsilons against float64:
+exp and sum order (the programs' partial sums)."""
+
+
+def _aux_vs_float64(device: str) -> dict:
+    """``fused_topk_routing_with_aux`` against float64 math per case ``(E, k, pre_softmax, scaling,
+    probabilities used)``: the routing as without the aux loss, the counts per expert, the loss
+    ``aux_scale * sum_e (sum_t softmax(x)_te) * count_e`` and the logits gradient of
+    ``sum(probs * G) + aux * g_aux`` (or of ``aux * g_aux`` alone)."""
+    from model_bridge.modeling.routing import fused_topk_routing, fused_topk_routing_with_aux
+
+    g = torch.Generator().manual_seed(3)
+    out = {}
+    for E, k, pre, scaling in ((8, 2, False, None), (60, 4, True, 2.5), (128, 8, False, None)):
+        T = 301  # several programs, the last one partial
+        x_TE = _tie_free_logits(T, E, k, torch.float32, g)
+        go_TE = torch.randn(T, E, generator=g)
+        g_aux = 3.0  # the gradient arriving at the loss (megatron's autoscaler: the loss scale)
+        aux_scale = E * 0.01 / (k * T * T)
+        for use_probs in (True, False):
+            ours_TE = x_TE.to(device).clone().requires_grad_()
+            probs_TE, map_TE, aux, cnt_E = fused_topk_routing_with_aux(ours_TE, k, aux_scale, pre, scaling)
+            loss = aux * g_aux + ((probs_TE * go_TE.to(device)).sum() if use_probs else 0.0)
+            loss.backward()
+            plain_TE = x_TE.to(device).clone()
+            pprobs_TE, pmap_TE = fused_topk_routing(plain_TE, k, pre, scaling)
+            sel_TE = map_TE.cpu()
+            x64_TE = x_TE.double().requires_grad_()
+            aux64 = aux_scale * (torch.softmax(x64_TE, dim=1).sum(0) * sel_TE.sum(0).double()).sum()
+            (aux64 * g_aux).backward()
+            term = float((torch.softmax(x64_TE.detach(), dim=1) * (g_aux * aux_scale * sel_TE.sum(0).double())).abs().max())
+            probs64_TE, grad64_TE = _reference64(x_TE, sel_TE, go_TE if use_probs else torch.zeros(T, E), pre, scaling)
+            out[(E, k, pre, scaling, use_probs)] = {
+                "routing_unchanged": torch.equal(map_TE.cpu(), pmap_TE.cpu()) and torch.equal(probs_TE.cpu(), pprobs_TE.cpu()),
+                "counts": torch.equal(cnt_E.cpu().long(), sel_TE.sum(0)) and cnt_E.dtype == torch.int32,
+                "aux_eps": abs(float(aux) - float(aux64)) / abs(float(aux64)) / _EPS[torch.float32],
+                # of the largest gradient, or of the aux term's products s_te * c_e before the
+                # softmax backward's cancellation (the aux loss alone: c_e - sum_e' s c nearly cancel)
+                "grad_eps": float((ours_TE.grad.cpu().double() - (grad64_TE + x64_TE.grad)).abs().max()
+                                  / max(float((grad64_TE + x64_TE.grad).abs().max()), term) / _EPS[torch.float32]),
+            }
+    return out
+
+
+def _check_aux(res: dict) -> None:
+    for case, r in res.items():
+        assert r["routing_unchanged"] and r["counts"], (case, r)
+        assert r["aux_eps"] <= _AUX_EPS and r["grad_eps"] <= _AUX_EPS, (case, r)
+
+
+def test_fused_routing_with_aux_loss_matches_float64_interpreted():
+    from model_bridge.modeling.routing import _kernels
+
+    _check_aux(run_interpreted(_kernels, _aux_vs_float64, "cpu"))
+
+
+@pytest.mark.gpu
+def test_fused_routing_with_aux_loss_matches_float64_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    _check_aux(_aux_vs_float64("cuda"))
+
+
 def _expected_map(x_TE: torch.Tensor, k: int) -> torch.Tensor:
     """The k largest of each row, NaN above everything, ties to the lowest index: the first k of a
     stable descending sort (NaN made the largest)."""
