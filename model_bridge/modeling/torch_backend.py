@@ -30,7 +30,7 @@ embedding to a sorted-segment weight gradient (:mod:`.embedding`) and its hidden
 one Triton pass each way (:mod:`.norm`), and megatron's tensor-parallel region mappings return their
 input where their group has one rank (:mod:`.tp_identity`: identities both ways, minus an autograd
 function each). Everything else (the EP all-to-all, ETP all-gather /
-reduce-scatter, router GEMM, aux loss, linears) is megatron's. On CPU or in fp32 the same modules fall back to the reference math
+reduce-scatter, router GEMM, the aux loss's logging and scaling, linears) is megatron's. On CPU or in fp32 the same modules fall back to the reference math
 (per-segment SDPA, the grouped_mm CPU kernel or a per-expert loop), which is what the CPU tests
 check against the ``"local"`` spec.
 
