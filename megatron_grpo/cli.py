@@ -122,8 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parser.parse_known_args(argv)
     if extra and isinstance(getattr(args, "overrides", None), list):
         # KEY=VALUE overrides may come after an option (`mgrpo train --nproc 1 parallel.tp=1`)
-        args.overrides += [a for a in extra if "=" in a and not a.startswith("-")]
-        extra = [a for a in extra if not ("=" in a and not a.startswith("-"))]
+        def is_override(a: str) -> bool:  # KEY=VALUE, not an --option=value
+            return "=" in a and not a.startswith("-")
+
+        args.overrides += [a for a in extra if is_override(a)]
+        extra = [a for a in extra if not is_override(a)]
     if extra:
         if not getattr(args, "accepts_extra_args", False):
             _deepest_parser(parser, argv).error(f"unrecognized arguments: {' '.join(extra)}")

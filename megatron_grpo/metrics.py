@@ -71,3 +71,33 @@ class MetricsLogger:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+RUN_DIR_OUTPUTS = (("metrics.jsonl", "metrics.jsonl"), ("curves.png", "curves.png"), ("tensorboard", "tensorboard/"),
+                   ("checkpoints", "checkpoints/"), ("vllm-server.log", "vllm-server.log"))
+"""What a finished run leaves in its run dir, as :func:`run_summary` lists it (those present)."""
+
+
+def run_summary(run_dir: str | Path) -> list[str]:
+    """The lines `mgrpo train` prints when a run ends: the reward from the first to the last
+    logged step, the mean step time and its parts, and where the outputs are. Empty when the run
+    logged no step."""
+    run = Path(run_dir)
+    path = run / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    if not rows:
+        return []
+    first, last = rows[0], rows[-1]
+    lines = [f"reward: step {first['step']} {first.get('reward/mean', float('nan')):.3f} -> "
+             f"step {last['step']} {last.get('reward/mean', float('nan')):.3f}"]
+
+    def mean(key: str) -> float:
+        vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+        return sum(vals) / len(vals) if vals else float("nan")
+
+    parts = [(name, mean(f"time/{name}")) for name in ("rollout", "train", "push")]
+    lines.append(f"mean step {mean('time/step'):.1f} s = " + " + ".join(
+        f"{name} {v:.2f}" if name == "push" else f"{name} {v:.1f}" for name, v in parts if not math.isnan(v)))
+    outputs = [label for name, label in RUN_DIR_OUTPUTS if (run / name).exists()]
+    lines.append(f"run dir: {run}/ ({', '.join(outputs)})")
+    return lines

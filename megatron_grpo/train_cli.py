@@ -72,7 +72,8 @@ def _check_model_fits(cfg, world_size: int) -> None:
         check_rollout_names(cfg.rollout)  # PluginError (a ValueError): unknown reward, tool, policy, plugin file
         if cfg.rollout.server == "remote":
             _check_servers_answer(cfg.rollout.server_urls, cfg.rollout.connect_timeout_s)
-        read_jsonl(cfg.data.train_jsonl, cfg.data)  # DataError (a ValueError) names file, line, fix
+        # DataError (a ValueError) names file, line, fix; skipped rows are logged once, by the run
+        read_jsonl(cfg.data.train_jsonl, cfg.data, log_skips=False)
 
 
 def _check_run_dir(run_dir: str, resume: bool) -> None:
@@ -143,6 +144,12 @@ def run_train(args: argparse.Namespace) -> int:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         from megatron_grpo.run.ranks import _free_port
         os.environ["MASTER_PORT"] = str(_free_port())
-    from megatron_grpo.train import train
+    from megatron_grpo.train import PREEMPTED_MARKER, train
 
-    return train(cfg, resume=bool(args.resume))
+    code = train(cfg, resume=bool(args.resume))
+    run_dir = Path(cfg.trainer.run_dir)
+    if code == 0 and os.environ.get("RANK", "0") == "0" and not (run_dir / PREEMPTED_MARKER).exists():
+        from megatron_grpo.metrics import run_summary
+
+        print("\n".join(["", f"mgrpo train: done ({cfg.trainer.steps} steps)", *run_summary(run_dir)]), flush=True)
+    return code

@@ -17,16 +17,4 @@ fi
 t0=$(date +%s)
 .venv/bin/mgrpo train trainer.run_dir="$RUN_DIR" "$@"
 echo
-echo "== demo finished in $(( $(date +%s) - t0 )) s =="
-.venv/bin/python - "$RUN_DIR" <<'PY'
-import json, sys
-from pathlib import Path
-run = Path(sys.argv[1])
-m = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
-print(f"reward: step 1 {m[0]['reward/mean']:.3f} -> step {m[-1]['step']} {m[-1]['reward/mean']:.3f}")
-avg = lambda k: sum(x[k] for x in m) / len(m)
-print(f"mean step {avg('time/step'):.1f} s = rollout {avg('time/rollout'):.1f} + train {avg('time/train'):.1f}"
-      f" + push {avg('time/push'):.2f}")
-print(f"run dir:     {run}/  (metrics.jsonl, curves.png, tensorboard/, checkpoints/, vllm-server.log)")
-print(f"curves:      {run}/curves.png")
-PY
+echo "== demo finished in $(( $(date +%s) - t0 )) s (the reward curve: $RUN_DIR/curves.png) =="

@@ -264,14 +264,15 @@ def _parse_line(raw: bytes, line_no: int, path: str, base_dir: Path, cfg: DataCo
                      line=line_no, audio_info=tuple(infos), audio_entries=tuple(obj["audios"]))
 
 
-def read_jsonl(path, cfg: Optional[DataConfig] = None) -> PromptDataset:
+def read_jsonl(path, cfg: Optional[DataConfig] = None, *, log_skips: bool = True) -> PromptDataset:
     """Read and check every row of ``path``.
 
     ``cfg`` (default ``DataConfig()``): audio limits, ``skip_bad_rows``, ``audio_check`` and
     ``allowed_audio_roots`` (when that is empty, i.e. neither ``audio_roots`` nor
     ``train_jsonl``/``dev_jsonl`` is set, the directory of ``path`` is the root).  Raises :class:`DataError` on the first bad row, or, with
-    ``skip_bad_rows``, only when no row is good; skipped rows are logged (warning) and counted in
-    the returned dataset."""
+    ``skip_bad_rows``, only when no row is good; skipped rows are logged (warning; not with
+    ``log_skips=False``: a check before the run, which reads the file again) and counted in the
+    returned dataset."""
     cfg = cfg or DataConfig()
     spath = os.fspath(path)
     p = Path(spath)
@@ -296,7 +297,7 @@ def read_jsonl(path, cfg: Optional[DataConfig] = None) -> PromptDataset:
             if not cfg.skip_bad_rows:
                 raise
             ds.skipped.append(SkippedRow(line_no, e.kind, str(e)))
-            if len(ds.skipped) <= _MAX_LOGGED_SKIPS:
+            if log_skips and len(ds.skipped) <= _MAX_LOGGED_SKIPS:
                 log.warning("skipping bad row: %s", e)
             continue
         if row is not None:
@@ -309,7 +310,7 @@ def read_jsonl(path, cfg: Optional[DataConfig] = None) -> PromptDataset:
     if not ds.rows:
         raise DataError(f"{spath}: no usable rows ({ds.summary()}) — fix the rows reported above",
                         path=spath, kind="no usable rows", reason=ds.summary())
-    if ds.skipped:
+    if ds.skipped and log_skips:
         more = len(ds.skipped) - _MAX_LOGGED_SKIPS
         log.warning("%s: %s%s", spath, ds.summary(),
                     f" ({more} more skipped rows not logged one by one)" if more > 0 else "")

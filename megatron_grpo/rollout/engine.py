@@ -56,12 +56,14 @@ class RolloutEngine:
     def __init__(self, cfg, tokenizer, *, registry=None, client: Optional[RolloutClient] = None,
                  sampler: Optional[ServerSampler] = None, data_config=None,
                  audio_roots: Optional[Sequence[str]] = None, policy: Optional[str] = None):
-        from megatron_grpo.rollout.plugins import load_registry
+        from megatron_grpo.rollout.plugins import load_registry, resolve_rollout_names
 
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.registry = registry if registry is not None else load_registry(cfg.plugin)
-        self.tools: ToolRegistry = self.registry.tools.select(cfg.tools)
+        # every name now (an unknown reward fails here, not after the first rollout)
+        tools, self.policy_cls = resolve_rollout_names(self.registry, cfg, policy)
+        self.tools: ToolRegistry = tools
         self.data_config = data_config
         if audio_roots is None and data_config is not None:
             audio_roots = data_config.allowed_audio_roots
@@ -69,9 +71,6 @@ class RolloutEngine:
         self.client = client or RolloutClient(cfg)
         self.sampler = sampler or ServerSampler(self.client)
         self.renderer = ToolTurnRenderer(tokenizer, cfg.chat_template_kwargs)
-        self.policy_cls = self.registry.policy_class(policy or cfg.policy)
-        for name in cfg.reward_funcs:   # fail now, not after the first rollout
-            self.registry.reward(name)
         vocab = tokenizer.get_vocab()
         self.audio_token_id = vocab.get("<|audio_pad|>")
         if self.audio_token_id is None:

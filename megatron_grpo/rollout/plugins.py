@@ -257,13 +257,20 @@ def load_registry(plugin_path=None) -> Registry:
     return reg
 
 
-def check_rollout_names(cfg) -> Registry:
-    """Load ``cfg.plugin`` and resolve every name the rollout config uses (tools, policy, reward
-    functions); a `PluginError` (a ValueError) names the culprit. `mgrpo train` calls this before
-    any rank or server starts, the rollout engine again when it is built."""
-    reg = load_registry(cfg.plugin)
-    reg.tools.select(cfg.tools)
-    reg.policy_class(cfg.policy)
+def resolve_rollout_names(reg: Registry, cfg, policy: Optional[str] = None):
+    """``(tools, policy class)`` of the rollout config ``cfg`` in ``reg``, every reward function
+    looked up too; a `PluginError` (a ValueError) names the first unknown name."""
+    tools = reg.tools.select(cfg.tools)
+    policy_cls = reg.policy_class(policy or cfg.policy)
     for name in cfg.reward_funcs:
         reg.reward(name)
+    return tools, policy_cls
+
+
+def check_rollout_names(cfg) -> Registry:
+    """Load ``cfg.plugin`` and resolve every name the rollout config uses (:func:`resolve_rollout_names`).
+    `mgrpo train` calls this before any rank or server starts; the rollout engine resolves the
+    names again (the same function) when it is built."""
+    reg = load_registry(cfg.plugin)
+    resolve_rollout_names(reg, cfg)
     return reg

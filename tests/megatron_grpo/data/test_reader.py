@@ -227,6 +227,11 @@ def test_skip_bad_rows_counts_and_reports(d, caplog):
     logged = [r.getMessage() for r in caplog.records]
     assert logged[-1] == f"{p}: {ds.summary()}"
     assert logged[0] == f"skipping bad row: {p} line 2: {cat[0][2]}"
+    # the check before a run reads the file too, and leaves the logging to the run
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="megatron_grpo.data"):
+        quiet = read_jsonl(p, DataConfig(skip_bad_rows=True, **CFG), log_skips=False)
+    assert caplog.records == [] and quiet.summary() == ds.summary()
 
 
 def test_summary_example_and_no_usable_rows(d):
