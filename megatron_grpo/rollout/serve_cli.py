@@ -116,6 +116,30 @@ def resolve_dtype(dtype: str) -> str:
     return "bfloat16" if torch.cuda.is_available() else "float32"
 
 
+def check_serving_layout(model_dir: str, tp: int, dp: int) -> None:
+    """Raise ValueError when vLLM cannot shard the checkpoint's text model over ``tp`` ranks (it
+    splits the query heads, and splits the key/value heads or replicates them when ``tp`` is a
+    multiple of their number), naming the sizes that would work, before vLLM starts."""
+    if tp < 1 or dp < 1:
+        raise ValueError(f"--tp and --dp must be >= 1, got --tp {tp} --dp {dp}")
+    from model_bridge.config import ConfigError, read_omni_config
+
+    try:
+        t = read_omni_config(model_dir).text
+    except ConfigError:
+        return  # not a Qwen3-Omni config this checker reads: vLLM checks it
+
+    def fits(n: int) -> bool:
+        kv_ok = t.num_kv_heads % n == 0 if t.num_kv_heads >= n else n % t.num_kv_heads == 0
+        return t.num_heads % n == 0 and kv_ok
+
+    if not fits(tp):
+        ok = [n for n in range(1, t.num_heads + 1) if fits(n)]
+        raise ValueError(f"--tp {tp} does not fit the checkpoint's text model ({t.num_heads} attention heads, "
+                         f"{t.num_kv_heads} key/value heads): vLLM splits the heads over the TP ranks; use one "
+                         f"of --tp {', '.join(map(str, ok))}")
+
+
 def run_serve(args: argparse.Namespace) -> int:
     extra = [a for a in (getattr(args, "extra_args", None) or []) if a != "--"]
     api_key = args.api_key or os.environ.get("VLLM_API_KEY") or None
@@ -126,6 +150,7 @@ def run_serve(args: argparse.Namespace) -> int:
             raise ValueError(f"pass {opts} as mgrpo serve's own option, not as a vLLM pass-through argument")
         if not Path(args.model, "config.json").exists():
             raise ValueError(f"--model {args.model!r} is not an HF checkpoint directory (no config.json)")
+        check_serving_layout(args.model, args.tp, args.dp)
     except ValueError as e:
         print(f"mgrpo serve: error: {e}", file=sys.stderr)
         return 2

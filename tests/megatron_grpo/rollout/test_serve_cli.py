@@ -142,3 +142,20 @@ def test_api_key_guards_dev_routes(monkeypatch):
     monkeypatch.delenv("VLLM_API_KEY")
     with pytest.raises(RuntimeError, match="VLLM_API_KEY"):
         RequireApiKey(lambda *a: None)
+
+
+def test_tensor_parallel_size_that_does_not_fit_the_heads_fails_before_vllm(capsys, tiny_ckpt):
+    """The tiny checkpoint has 4 query and 2 key/value heads: --tp 3 (and 8, more ranks than
+    query heads) cannot shard it; the message names the sizes that can."""
+    from megatron_grpo.rollout.serve_cli import check_serving_layout
+
+    for tp in (1, 2, 4):
+        check_serving_layout(str(tiny_ckpt), tp, 1)
+    rc, err = _serve(capsys, "--model", str(tiny_ckpt), "--tp", "3")
+    assert rc == 2
+    assert err.strip() == ("mgrpo serve: error: --tp 3 does not fit the checkpoint's text model (4 attention heads, "
+                           "2 key/value heads): vLLM splits the heads over the TP ranks; use one of --tp 1, 2, 4")
+    rc, err = _serve(capsys, "--model", str(tiny_ckpt), "--tp", "8")
+    assert rc == 2 and "use one of --tp 1, 2, 4" in err
+    rc, err = _serve(capsys, "--model", str(tiny_ckpt), "--dp", "0")
+    assert rc == 2 and "--tp and --dp must be >= 1" in err
