@@ -54,6 +54,29 @@ def _cmd_make_data(args: argparse.Namespace) -> int:
     return 0
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """argparse's help, with an option's default in its help line where the help does not already
+    say it (a None or False default says nothing)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        silent = action.default is None or action.default is False or action.default == argparse.SUPPRESS  # not 0
+        if "default" not in text and not silent and action.option_strings:
+            text += " (default: %(default)s)"
+        return text
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every subcommand's parser (nested ones too) left with argparse's plain formatter gets
+    :class:`DefaultsHelpFormatter`."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                if child.formatter_class is argparse.HelpFormatter:
+                    child.formatter_class = DefaultsHelpFormatter
+                _show_defaults(child)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mgrpo",
@@ -104,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     from launch.slurm.cli import add_launch_parser  # argparse only: the config loads when it runs
 
     add_launch_parser(sub)
+    _show_defaults(p)
     return p
 
 

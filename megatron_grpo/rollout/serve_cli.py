@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from megatron_grpo.cli import DefaultsHelpFormatter
 from megatron_grpo.rollout.server import LOOPBACK_HOSTS
 
 __all__ = ["add_serve_parser", "check_bind", "run_serve", "RemoteBindRefused"]
@@ -54,15 +55,8 @@ def check_bind(host: str, allow_remote: bool, api_key: str | None) -> None:
                                 "Without them, keep the default --host 127.0.0.1.")
 
 
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """The description as written, and an option's default in its help line where the help does
-    not already say it (a None or False default says nothing)."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        if "default" not in text and action.default not in (None, False, argparse.SUPPRESS) and action.option_strings:
-            text += " (default: %(default)s)"
-        return text
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, DefaultsHelpFormatter):
+    """The description as written, and the options' defaults (:class:`DefaultsHelpFormatter`)."""
 
 
 def add_serve_parser(sub) -> argparse.ArgumentParser:
