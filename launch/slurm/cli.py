@@ -96,7 +96,8 @@ def run_launch_slurm(args: argparse.Namespace) -> int:
     print(f"[launch] wrote {', '.join(p.name for p in written)} (mode 0600) to {plan.out}")
     if args.dry_run:
         if problem:
-            print(f"[launch] warning: {problem}", file=err)
+            print(f"[launch] warning: {problem} (without --dry-run the launch would stop here, before "
+                  "submitting; the dry run wrote the files anyway)", file=err)
         print("[launch] dry run: not submitted. To submit by hand:")
         first, second = sbatch_commands(plan, "${ROLLOUT}")
         print(f"  ROLLOUT=$({shlex.join(first)})")

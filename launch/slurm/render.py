@@ -188,9 +188,12 @@ def check_model(cfg, plan: SlurmPlan) -> Optional[str]:
     from model_bridge.config import ConfigError, ParallelLayout, check_layout, read_omni_config
 
     p = cfg.parallel
+    from megatron_grpo.rollout.serve_cli import check_serving_layout
+
     try:
         check_layout(read_omni_config(hf), ParallelLayout(tp=p.tp, ep=p.ep, etp=p.etp, pp=p.pp),
                      world_size=plan.world_size)
+        check_serving_layout(str(hf), plan.serve_tp, plan.serve_dp, "launch.serve_tp=")  # the rollout nodes' vLLM
     except (ConfigError, ValueError) as e:
         return str(e)
     return None

@@ -110,10 +110,11 @@ def resolve_dtype(dtype: str) -> str:
     return "bfloat16" if torch.cuda.is_available() else "float32"
 
 
-def check_serving_layout(model_dir: str, tp: int, dp: int) -> None:
+def check_serving_layout(model_dir: str, tp: int, dp: int, tp_option: str = "--tp ") -> None:
     """Raise ValueError when vLLM cannot shard the checkpoint's text model over ``tp`` ranks (it
     splits the query heads, and splits the key/value heads or replicates them when ``tp`` is a
-    multiple of their number), naming the sizes that would work, before vLLM starts."""
+    multiple of their number), naming the sizes that would work, before vLLM starts.
+    ``tp_option``: how the message spells the setting (``"--tp "``, ``"launch.serve_tp="``)."""
     if tp < 1 or dp < 1:
         raise ValueError(f"--tp and --dp must be >= 1, got --tp {tp} --dp {dp}")
     from model_bridge.config import ConfigError, read_omni_config
@@ -129,9 +130,9 @@ def check_serving_layout(model_dir: str, tp: int, dp: int) -> None:
 
     if not fits(tp):
         ok = [n for n in range(1, t.num_heads + 1) if fits(n)]
-        raise ValueError(f"--tp {tp} does not fit the checkpoint's text model ({t.num_heads} attention heads, "
+        raise ValueError(f"{tp_option}{tp} does not fit the checkpoint's text model ({t.num_heads} attention heads, "
                          f"{t.num_kv_heads} key/value heads): vLLM splits the heads over the TP ranks; use one "
-                         f"of --tp {', '.join(map(str, ok))}")
+                         f"of {tp_option}{', '.join(map(str, ok))}")
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -471,3 +471,21 @@ def test_launch_is_listed_in_help(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "launch" in capsys.readouterr().out
+
+
+def test_rollout_tp_that_does_not_fit_the_heads_refused_before_submitting(tmp_path, capsys, monkeypatch, tiny_ckpt):
+    """3 GPUs per rollout node serve with TP3 by default; the tiny model's 4 query / 2 key-value
+    heads cannot be split 3 ways: refused (a dry run warns and still writes the files)."""
+    calls = _fake_sbatch(tmp_path, monkeypatch)
+    data = tmp_path / "train.jsonl"
+    data.write_text("")
+    args = ["--recipe", "tiny_cpu", "--gpus-per-node", "3", "parallel.tp=1", f"model.hf_dir={tiny_ckpt}",
+            f"data.train_jsonl={data}", f"trainer.run_dir={tmp_path / 'run'}"]
+    msg = ("launch.serve_tp=3 does not fit the checkpoint's text model (4 attention heads, 2 key/value heads): "
+           "vLLM splits the heads over the TP ranks; use one of launch.serve_tp=1, 2, 4")
+    rc, _, err = _launch(capsys, *args, "--out", str(tmp_path / "o"))
+    assert rc == 2 and err.strip() == f"mgrpo launch slurm: error: {msg}"
+    assert not calls.exists()
+    rc, _, err = _launch(capsys, *args, "--out", str(tmp_path / "dry"), "--dry-run")
+    assert rc == 0 and f"[launch] warning: {msg} (without --dry-run the launch would stop here" in err
+    assert (tmp_path / "dry" / "train.sbatch").exists()
