@@ -114,4 +114,5 @@ def _base_lengths(tokens: int | None, tiny: bool) -> list[int]:
     return lengths_for(tokens)
 
 
-_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
+"""``--dtype`` spellings: the short ones and torch's (as model.dtype and ``mgrpo serve --dtype`` spell them)."""

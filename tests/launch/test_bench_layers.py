@@ -49,3 +49,14 @@ def test_ceiling_step_alternates_with_ours(tmp_path):
     assert r["ours_vs_kernel_ceiling"] == pytest.approx(kc["total_s"] / res["systems"]["ours"]["step_s_median"])
     assert r["ours_vs_kernel_ceiling_back_to_back"] == pytest.approx(
         kc["back_to_back_s_median"] / kc["paired_step_s_median"])
+
+
+def test_dtype_takes_both_spellings():
+    """``--dtype`` as model.dtype / ``mgrpo serve`` spell it, or short; anything else is refused."""
+    from megatron_grpo.cli import build_parser
+
+    p = build_parser()
+    for name in ("bf16", "bfloat16", "fp32", "float32"):
+        assert p.parse_args(["bench", "layers", "--dtype", name]).dtype == name
+    with pytest.raises(SystemExit):
+        p.parse_args(["bench", "layers", "--dtype", "fp64"])
