@@ -113,6 +113,10 @@ _QUIET = (r".*(Apex|Transformer Engine|TE) (is|are) not installed.*", r".*full s
           r".*\.grad attribute of a Tensor that is not a leaf Tensor is being accessed.*")
 
 
+_PREFLIGHT_DONE = "MGRPO_PREFLIGHT_DONE"
+"""Set in the environment of the ranks `mgrpo train` spawns itself: it has checked the run already."""
+
+
 def run_train(args: argparse.Namespace) -> int:
     import warnings
 
@@ -128,8 +132,8 @@ def run_train(args: argparse.Namespace) -> int:
         return 2
     slurm_to_torch_env()
     nproc = cfg.parallel.nproc
-    if os.environ.get("RANK", "0") == "0":
-        try:  # fail fast, in one line, before any rank starts
+    if os.environ.get("RANK", "0") == "0" and not os.environ.get(_PREFLIGHT_DONE):
+        try:  # fail fast, in one line, before any rank starts (once: not again in the ranks spawned below)
             _check_run_dir(cfg.trainer.run_dir, bool(args.resume))
             _check_model_fits(cfg, int(os.environ.get("WORLD_SIZE", nproc)))
         except ValueError as e:
@@ -140,7 +144,7 @@ def run_train(args: argparse.Namespace) -> int:
             argv = ["train"] + (["--config", args.config] if args.config else []) + \
                    (["--resume", args.resume] if args.resume else []) + list(args.overrides) + \
                    [f"parallel.nproc={nproc}"]
-            return spawn_ranks(nproc, argv)
+            return spawn_ranks(nproc, argv, {_PREFLIGHT_DONE: "1"})
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         from megatron_grpo.run.ranks import _free_port
         os.environ["MASTER_PORT"] = str(_free_port())

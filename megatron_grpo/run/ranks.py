@@ -26,14 +26,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_ranks(nproc: int, argv: list[str]) -> int:
-    """Run `python -m megatron_grpo.cli <argv>` as `nproc` ranks on this machine; returns the first
-    non-zero exit code (a failing rank takes the others down), else 0."""
+def spawn_ranks(nproc: int, argv: list[str], extra_env: dict[str, str] | None = None) -> int:
+    """Run `python -m megatron_grpo.cli <argv>` as `nproc` ranks on this machine (``extra_env``
+    added to each one's environment); returns the first non-zero exit code (a failing rank takes
+    the others down), else 0."""
     port = _free_port()
     procs = []
     for rank in range(nproc):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(extra_env or {}))
         if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
         procs.append(subprocess.Popen([sys.executable, "-m", "megatron_grpo.cli", *argv], env=env))
