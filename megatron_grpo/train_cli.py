@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -113,15 +114,36 @@ _QUIET = (r".*(Apex|Transformer Engine|TE) (is|are) not installed.*", r".*full s
           r".*\.grad attribute of a Tensor that is not a leaf Tensor is being accessed.*")
 
 
+class _KnownNotices(logging.Filter):
+    """transformers' RoPE validation does not know the keys of Qwen3-Omni's interleaved MRoPE
+    (``mrope_section``, ``interleaved``: the released model's own config.json has them), and says
+    so once per process; nothing is wrong, so the run does not print it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not (msg.startswith("Unrecognized keys in `rope_parameters`") and "mrope_section" in msg)
+
+
+def _quiet_known_notices() -> None:
+    import warnings
+
+    for pattern in _QUIET:
+        warnings.filterwarnings("ignore", message=pattern)
+    import torch
+
+    if not torch.cuda.is_available():  # megatron's advice on CUDA streams, meaningless without CUDA
+        warnings.filterwarnings("ignore", message=r".*CUDA_DEVICE_MAX_CONNECTIONS.*")
+    rope_log = logging.getLogger("transformers.modeling_rope_utils")
+    if not any(isinstance(f, _KnownNotices) for f in rope_log.filters):
+        rope_log.addFilter(_KnownNotices())
+
+
 _PREFLIGHT_DONE = "MGRPO_PREFLIGHT_DONE"
 """Set in the environment of the ranks `mgrpo train` spawns itself: it has checked the run already."""
 
 
 def run_train(args: argparse.Namespace) -> int:
-    import warnings
-
-    for pattern in _QUIET:
-        warnings.filterwarnings("ignore", message=pattern)
+    _quiet_known_notices()
     from megatron_grpo.configtree import ConfigKeyError
     from megatron_grpo.run.ranks import launched_externally, slurm_to_torch_env, spawn_ranks
 
@@ -155,5 +177,7 @@ def run_train(args: argparse.Namespace) -> int:
     if code == 0 and os.environ.get("RANK", "0") == "0" and not (run_dir / PREEMPTED_MARKER).exists():
         from megatron_grpo.metrics import run_summary
 
-        print("\n".join(["", f"mgrpo train: done ({cfg.trainer.steps} steps)", *run_summary(run_dir)]), flush=True)
+        steps = cfg.trainer.steps
+        print("\n".join(["", f"mgrpo train: done ({steps} step{'s' if steps != 1 else ''})", *run_summary(run_dir)]),
+              flush=True)
     return code
