@@ -27,7 +27,8 @@ local spec (same modules, same parameter names outside the experts) with four re
 
 With this backend the thinker also switches (same modules, class swapped, CUDA only) its word
 embedding to a sorted-segment weight gradient (:mod:`.embedding`) and its hidden-size RMSNorms to
-one Triton pass each way (:mod:`.norm`), and megatron's tensor-parallel region mappings return their
+one Triton pass each way (:mod:`.norm`; its bias-dropout-adds take the residual from the norm that
+read it, whose backward kernel adds the residual's gradient), and megatron's tensor-parallel region mappings return their
 input where their group has one rank (:mod:`.tp_identity`: identities both ways, minus an autograd
 function each). Everything else (the EP all-to-all, ETP all-gather /
 reduce-scatter, router GEMM, the aux loss's logging and scaling, linears) is megatron's. On CPU or in fp32 the same modules fall back to the reference math
@@ -49,6 +50,7 @@ from typing import Optional
 
 import torch
 
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.router import TopKRouter
@@ -57,6 +59,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispa
 from .attention import PackedCoreAttention, packed_segments, varlen_kwargs
 from .ep_dispatch import DedupExchange
 from .experts import TorchGroupedMLP, grouped_mm_available, with_offsets
+from .norm import residual_bda
 from .permute import sort_by_expert, topk_indices, unsort_combine
 from .router import ReusingTopKRouter, install_routing_reuse
 from .rope import defer_qk_norms, deferring_qk_norms, fast_rope_scope, grouped_query_wanted, install_fast_rope
@@ -369,6 +372,9 @@ def torch_block_spec(config, vp_stage: Optional[int] = None, pp_rank: Optional[i
             sa.module = TorchSelfAttention
         sa.submodules.core_attention = TorchCoreAttention
         layer.submodules.mlp = _torch_moe(layer.submodules.mlp)
+        for bda in ("self_attn_bda", "mlp_bda"):  # the residual's gradient joins the norm's backward (norm.py)
+            if getattr(layer.submodules, bda) is get_bias_dropout_add:
+                setattr(layer.submodules, bda, residual_bda)
         if getattr(config, "num_moe_experts", None) and not _is_torch_moe(layer.submodules.mlp):
             raise RuntimeError(f"torch backend: could not put TorchMoELayer/TorchGroupedMLP into this megatron-core's "
                                f"MoE spec {layer.submodules.mlp!r}")

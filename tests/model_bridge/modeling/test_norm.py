@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_grpo.testing.dist import run_ranks
 from megatron_grpo.testing.interpreted import run_interpreted
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -61,6 +62,84 @@ def test_fast_rms_norm_kernels_interpreted():
     _check(res)
 
 
+def _alias_errors(device: str) -> dict:
+    """The residual alias (a norm's input handed to the bias-dropout-add, its gradient added in
+    the norm's backward kernel): relative errors of the input's gradient against float64 math,
+    and what the alias is and when it is made."""
+    from model_bridge.modeling.norm import FastRMSNorm, take_residual_alias
+
+    g = torch.Generator().manual_seed(1)
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        T, H = 45, 64
+        x = (torch.randn(T, 1, H, generator=g) * 2).to(dtype)
+        w = (1 + 0.3 * torch.randn(H, generator=g)).to(dtype)
+        gy, gr = torch.randn(T, 1, H, generator=g).to(dtype), torch.randn(T, 1, H, generator=g).to(dtype)
+        norm = FastRMSNorm(H, eps=1e-6).to(device=device, dtype=dtype)
+        norm.residual_alias = True
+        with torch.no_grad():
+            norm.weight.copy_(w)
+        leaf = x.to(device).clone().requires_grad_()
+        h = leaf * 1  # the layer's input: a non-leaf, as the previous layer's output is
+        y = norm(h)
+        r = take_residual_alias(h)
+        key = str(dtype).split(".")[-1]
+        out[f"{key}-alias"] = (r is not h, r._base is h, take_residual_alias(h) is h, y.grad_fn.name())
+        (y.float() * gy.to(device).float()).sum().add((r.float() * gr.to(device).float()).sum()).backward()
+        xr, wr = x.double().requires_grad_(), w.double().requires_grad_()
+        yr = torch.nn.functional.rms_norm(xr, (H,), wr, 1e-6)
+        ((yr * gy.double()).sum() + (xr * gr.double()).sum()).backward()
+        out[f"{key}-err"] = max(_rel(leaf.grad.cpu(), xr.grad), _rel(norm.weight.grad.cpu(), wr.grad))
+        # no alias: under no_grad (megatron's recompute-without-output), or for a norm without the flag
+        with torch.no_grad():
+            norm(h)
+        norm2 = FastRMSNorm(H, eps=1e-6).to(device=device, dtype=dtype)
+        norm2(h)
+        out[f"{key}-none"] = take_residual_alias(h) is h
+    return out
+
+
+def _check_alias(res: dict) -> None:
+    for k, v in res.items():
+        if k.endswith("-alias"):
+            assert v == (True, True, True, "_RMSNormFnBackward"), (k, v)
+        elif k.endswith("-none"):
+            assert v is True, k
+        else:  # fp32: rounding only; bf16: dx rounded once (the unfused add rounds twice)
+            assert v < (1e-5 if k.startswith("float32") else 1e-2), f"{k}: {v:.2e}"
+
+
+def test_residual_alias_gradient_interpreted():
+    from model_bridge.modeling.norm import _kernels
+
+    res = run_interpreted(_kernels, _alias_errors, "cpu")
+    print(f"\n[residual alias, interpreted] {res}")
+    _check_alias(res)
+
+
+@pytest.mark.gpu
+def test_residual_alias_gradient_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    res = _alias_errors("cuda")
+    print(f"\n[residual alias, GPU] {res}")
+    _check_alias(res)
+
+
+def test_residual_bda_is_megatrons_with_the_alias():
+    """``residual_bda`` is megatron's bias-dropout-add given the alias; on CPU tensors (torch's
+    norm, no alias) the residual stays itself."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+
+    from model_bridge.modeling.norm import FastRMSNorm, residual_bda
+
+    x, h = torch.randn(5, 1, 8), torch.randn(5, 1, 8, requires_grad=True)
+    norm = FastRMSNorm(8)
+    norm.residual_alias = True
+    norm(h)  # CPU: torch's forward, nothing pending
+    assert torch.equal(residual_bda(True, False)((x, None), h, 0.0), get_bias_dropout_add(True, False)((x, None), h, 0.0))
+
+
 def test_switch_takes_the_hidden_norms_only():
     """Only megatron's input/pre-MLP/final norms switch (the q/k norms stay for the RoPE fusion);
     state dicts unchanged; on CPU tensors the forward is torch's."""
@@ -80,6 +159,9 @@ def test_switch_takes_the_hidden_norms_only():
     assert sorted(model.state_dict()) == keys and use_fast_rms_norms(model) == 0
     x = torch.randn(3, 8)
     assert isinstance(model.final_layernorm, FastRMSNorm)
+    # the residual alias: the layer norms' inputs have a skip connection, the final norm's has none
+    assert (layer.input_layernorm.residual_alias, layer.pre_mlp_layernorm.residual_alias,
+            model.final_layernorm.residual_alias) == (True, True, False)
     assert torch.equal(model.final_layernorm(x), torch.nn.functional.rms_norm(x, (8,), model.final_layernorm.weight))
 
 
@@ -90,3 +172,25 @@ def test_fast_rms_norm_kernels_gpu():
     res = _norm_errors("cuda")
     print(f"\n[fast RMSNorm, GPU] {res}")
     _check(res)
+
+
+def _rank_bdas(hf_dir: str) -> tuple:
+    from model_bridge.config import ParallelLayout, read_omni_config, thinker_transformer_config
+    from model_bridge.modeling.norm import residual_bda
+    from model_bridge.modeling.specs import thinker_layer_spec
+    from model_bridge.parallel import destroy_parallel, init_parallel
+
+    init_parallel(seed=1)
+    config = thinker_transformer_config(read_omni_config(hf_dir), ParallelLayout(), torch.bfloat16)
+    ours = [(ls.submodules.self_attn_bda, ls.submodules.mlp_bda) == (residual_bda, residual_bda)
+            for ls in thinker_layer_spec(config, "torch").layer_specs]
+    local = [ls.submodules.self_attn_bda is residual_bda for ls in thinker_layer_spec(config, "local").layer_specs]
+    destroy_parallel()
+    return ours, local
+
+
+def test_torch_spec_uses_the_residual_bda(tiny_ckpt):
+    """The torch backend's layers take their residual through ``residual_bda`` (both adds); the
+    local spec keeps megatron's."""
+    ours, local = run_ranks(_rank_bdas, 1, str(tiny_ckpt), timeout=300)[0]
+    assert ours and all(ours) and not any(local), (ours, local)
