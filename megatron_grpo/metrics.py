@@ -9,9 +9,29 @@ from __future__ import annotations
 import json
 import math
 import time
+import warnings
 from pathlib import Path
 
 PLOTTED = (("reward/mean", "reward (mean over samples)"), ("loss", "policy loss"))
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """The rows of a ``metrics.jsonl``. A last line cut short (a run killed while writing it) is
+    dropped with a warning, as its step is replayed on resume; a bad line before it raises."""
+    path = Path(path)
+    lines = [(i, line) for i, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    rows = []
+    for k, (i, line) in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            if k == len(lines) - 1:
+                warnings.warn(f"{path}: line {i} is cut short ({e.msg}); dropped (its step is replayed on resume)",
+                              stacklevel=2)
+                break
+            raise ValueError(f"{path}: line {i} is not JSON ({e.msg}): {line[:80]!r}; delete or fix that line "
+                             f"(each line is one step's metrics)") from None
+    return rows
 
 
 class MetricsLogger:
@@ -24,7 +44,9 @@ class MetricsLogger:
         self.plot_path = self.run_dir / "curves.png" if plot else None
         self.history: list[dict] = []
         if self.path.exists():  # a resumed run keeps its history (entries up to the resume step)
-            self.history = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+            self.history = read_metrics(self.path)
+            if not self.path.read_text().endswith("\n"):  # a cut-short last line: the next row starts clean
+                self._rewrite()
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -33,6 +55,9 @@ class MetricsLogger:
     def truncate_after(self, step: int) -> None:
         """Drop entries after `step` (a resume replays those steps)."""
         self.history = [h for h in self.history if h["step"] <= step]
+        self._rewrite()
+
+    def _rewrite(self) -> None:
         self.path.write_text("".join(json.dumps(h) + "\n" for h in self.history))
 
     def log(self, step: int, metrics: dict) -> None:
@@ -84,7 +109,7 @@ def run_summary(run_dir: str | Path) -> list[str]:
     logged no step."""
     run = Path(run_dir)
     path = run / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    rows = read_metrics(path) if path.exists() else []
     if not rows:
         return []
     first, last = rows[0], rows[-1]

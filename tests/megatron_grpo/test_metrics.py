@@ -33,3 +33,35 @@ def test_run_summary_of_a_replayed_run_and_of_no_steps(tmp_path):
     assert run_summary(tmp_path / "nothing") == []
     _write(tmp_path / "empty", [])
     assert run_summary(tmp_path / "empty") == []
+
+
+def test_a_cut_short_last_line_is_dropped_and_the_log_goes_on(tmp_path):
+    """A run killed while writing metrics.jsonl: the partial last line is dropped with a warning,
+    and the resumed logger's next row starts on a line of its own."""
+    import pytest
+
+    from megatron_grpo.metrics import MetricsLogger, read_metrics
+
+    run = tmp_path / "killed"
+    _write(run, [{"step": 1, "reward/mean": 0.5}])
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 2, "rew')
+    with pytest.warns(UserWarning, match=r"metrics.jsonl: line 2 is cut short .*dropped \(its step is replayed on resume\)"):
+        assert read_metrics(run / "metrics.jsonl") == [{"step": 1, "reward/mean": 0.5}]
+    with pytest.warns(UserWarning):
+        log = MetricsLogger(run, tensorboard=False, plot=False)
+    log.log(2, {"reward/mean": 0.75})
+    log.close()
+    assert read_metrics(run / "metrics.jsonl")[1]["reward/mean"] == 0.75 and len(read_metrics(run / "metrics.jsonl")) == 2
+
+
+def test_a_bad_line_before_the_last_names_the_file_and_line(tmp_path):
+    import pytest
+
+    from megatron_grpo.metrics import read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\nnot json\n{"step": 3}\n')
+    with pytest.raises(ValueError, match=r"metrics.jsonl: line 2 is not JSON \(Expecting value\): 'not json'; "
+                                         r"delete or fix that line \(each line is one step's metrics\)"):
+        read_metrics(path)
