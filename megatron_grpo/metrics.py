@@ -15,11 +15,13 @@ from pathlib import Path
 PLOTTED = (("reward/mean", "reward (mean over samples)"), ("loss", "policy loss"))
 
 
-def read_metrics(path: str | Path) -> list[dict]:
-    """The rows of a ``metrics.jsonl``. A last line cut short (a run killed while writing it) is
-    dropped with a warning, as its step is replayed on resume; a bad line before it raises."""
+def read_metrics(path: str | Path, text: str | None = None) -> list[dict]:
+    """The rows of a ``metrics.jsonl`` (``text``: its contents, if already read). A last line cut
+    short (a run killed while writing it) is dropped with a warning, as its step is replayed on
+    resume; a bad line before it raises."""
     path = Path(path)
-    lines = [(i, line) for i, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    text = path.read_text() if text is None else text
+    lines = [(i, line) for i, line in enumerate(text.splitlines(), 1) if line.strip()]
     rows = []
     for k, (i, line) in enumerate(lines):
         try:
@@ -44,8 +46,9 @@ class MetricsLogger:
         self.plot_path = self.run_dir / "curves.png" if plot else None
         self.history: list[dict] = []
         if self.path.exists():  # a resumed run keeps its history (entries up to the resume step)
-            self.history = read_metrics(self.path)
-            if not self.path.read_text().endswith("\n"):  # a cut-short last line: the next row starts clean
+            text = self.path.read_text()
+            self.history = read_metrics(self.path, text)
+            if text and not text.endswith("\n"):  # a cut-short last line: the next row starts clean
                 self._rewrite()
         self.tb = None
         if tensorboard:

@@ -185,12 +185,22 @@ def _rank_bdas(hf_dir: str) -> tuple:
     ours = [(ls.submodules.self_attn_bda, ls.submodules.mlp_bda) == (residual_bda, residual_bda)
             for ls in thinker_layer_spec(config, "torch").layer_specs]
     local = [ls.submodules.self_attn_bda is residual_bda for ls in thinker_layer_spec(config, "local").layer_specs]
+    # megatron builds a layer from the spec (``build_module`` takes only plain functions as bdas)
+    # and asks its bda for the add at every forward: the same wrapper each time
+    from megatron.core.transformer.spec_utils import build_module
+
+    layer = build_module(thinker_layer_spec(config, "torch").layer_specs[0], config=config, layer_number=1)
+    built = (layer.self_attn_bda is residual_bda and layer.mlp_bda is residual_bda
+             and layer.self_attn_bda(True, False) is layer.mlp_bda(True, False)
+             and residual_bda(False, True) is residual_bda(False, True))
     destroy_parallel()
-    return ours, local
+    return ours, local, built
 
 
 def test_torch_spec_uses_the_residual_bda(tiny_ckpt):
     """The torch backend's layers take their residual through ``residual_bda`` (both adds); the
-    local spec keeps megatron's."""
-    ours, local = run_ranks(_rank_bdas, 1, str(tiny_ckpt), timeout=300)[0]
+    local spec keeps megatron's; a layer built from the torch spec holds it and gets one cached
+    wrapper per ``(training, fused)``."""
+    ours, local, built = run_ranks(_rank_bdas, 1, str(tiny_ckpt), timeout=300)[0]
     assert ours and all(ours) and not any(local), (ours, local)
+    assert built
