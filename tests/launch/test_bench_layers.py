@@ -60,3 +60,25 @@ def test_dtype_takes_both_spellings():
         assert p.parse_args(["bench", "layers", "--dtype", name]).dtype == name
     with pytest.raises(SystemExit):
         p.parse_args(["bench", "layers", "--dtype", "fp64"])
+
+
+def test_sync_tally_leaves_out_the_mode_switch():
+    """The bench's host-sync count: a sync warning attributed to torch's ``set_sync_debug_mode``
+    (the switch itself) is not the step's; one from any other line, torch's ``synchronize``
+    included, is counted by file and line."""
+    import warnings
+
+    from launch.bench._layers_timing import _tally_syncs
+
+    code = torch.cuda.set_sync_debug_mode.__code__
+    sync_code = torch.cuda.synchronize.__code__
+    msg = "called a synchronizing CUDA operation"
+
+    def w(text, filename, lineno):
+        return warnings.WarningMessage(UserWarning(text), UserWarning, filename, lineno)
+
+    caught = [w(msg, code.co_filename, code.co_firstlineno + 2),
+              w(msg, sync_code.co_filename, sync_code.co_firstlineno + 1),
+              w(msg, "/x/model.py", 7), w(msg, "/x/model.py", 7), w("something else", "/x/model.py", 9)]
+    res = _tally_syncs(caught)
+    assert res == {"total": 3, "by_line": {"model.py:7": 2, f"__init__.py:{sync_code.co_firstlineno + 1}": 1}}, res
