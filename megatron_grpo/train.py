@@ -62,9 +62,9 @@ def _warn_no_signal(step: int, m: dict, streak: bool, say=None) -> bool:
     step continues such a streak."""
     now = m.get("reward/frac_zero_std") == 1.0
     if now and not streak:
-        line = (f"[train] step {step}: every group's samples scored the same (mean reward "
-                f"{m['reward/mean']:.3f}), so every advantage is 0 and the update only follows auxiliary "
-                "losses; if the reward is not already at its maximum, raise rollout.temperature or "
+        line = (f"[train] step {step}: no learning signal: every group's samples scored the same (mean reward "
+                f"{m['reward/mean']:.3f}), so every advantage is 0 and only auxiliary losses update the model. "
+                "Expected once every rollout earns the top reward; otherwise raise rollout.temperature or "
                 "rollout.num_generations, or check the reward functions (reward/* in metrics.jsonl)")
         (say or functools.partial(print, flush=True))(line)
     return now

@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 from pathlib import Path
+
+from megatron_grpo.notices import quiet_known_notices
 
 
 def add_train_parser(sub) -> None:
@@ -105,37 +106,13 @@ def _check_servers_answer(urls, timeout_s: float) -> None:
                              "running there? (rollout.server_urls)") from None
 
 
-# megatron-core and torch warn about optional kernels we knowingly do without; keep the run's
-# output to what the user needs (the progress bar and real problems)
-_QUIET = (r".*(Apex|Transformer Engine|TE) (is|are) not installed.*", r".*full scope is deprecated.*",
-          r".*torch.distributed.*deprecated.*", r".*GPTModel IS DEPRECATED.*",
-          # the CPU shim's torch function mode (model_bridge/mcore_cpu.py) sees every `.grad` read,
-          # megatron's reads of non-leaf tensors included, and torch names the shim's line as the culprit
-          r".*\.grad attribute of a Tensor that is not a leaf Tensor is being accessed.*")
+def _error_kind(e: Exception) -> str:
+    """How `mgrpo train` labels a refusal before any rank starts: a bad JSONL row or audio file is a
+    data error, everything else (keys, values, layout, run dir) a config error."""
+    from megatron_grpo.data.audio import AudioError
+    from megatron_grpo.data.schema import DataError
 
-
-class _KnownNotices(logging.Filter):
-    """transformers' RoPE validation does not know the keys of Qwen3-Omni's interleaved MRoPE
-    (``mrope_section``, ``interleaved``: the released model's own config.json has them), and says
-    so once per process; nothing is wrong, so the run does not print it."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        msg = record.getMessage()
-        return not (msg.startswith("Unrecognized keys in `rope_parameters`") and "mrope_section" in msg)
-
-
-def _quiet_known_notices() -> None:
-    import warnings
-
-    for pattern in _QUIET:
-        warnings.filterwarnings("ignore", message=pattern)
-    import torch
-
-    if not torch.cuda.is_available():  # megatron's advice on CUDA streams, meaningless without CUDA
-        warnings.filterwarnings("ignore", message=r".*CUDA_DEVICE_MAX_CONNECTIONS.*")
-    rope_log = logging.getLogger("transformers.modeling_rope_utils")
-    if not any(isinstance(f, _KnownNotices) for f in rope_log.filters):
-        rope_log.addFilter(_KnownNotices())
+    return "data error" if isinstance(e, (DataError, AudioError)) else "config error"
 
 
 _PREFLIGHT_DONE = "MGRPO_PREFLIGHT_DONE"
@@ -143,14 +120,14 @@ _PREFLIGHT_DONE = "MGRPO_PREFLIGHT_DONE"
 
 
 def run_train(args: argparse.Namespace) -> int:
-    _quiet_known_notices()
+    quiet_known_notices()
     from megatron_grpo.configtree import ConfigKeyError
     from megatron_grpo.run.ranks import launched_externally, slurm_to_torch_env, spawn_ranks
 
     try:
         cfg = _load(args)
     except (ConfigKeyError, ValueError) as e:
-        print(f"mgrpo train: config error: {e}", file=sys.stderr)
+        print(f"mgrpo train: {_error_kind(e)}: {e}", file=sys.stderr)
         return 2
     slurm_to_torch_env()
     nproc = cfg.parallel.nproc
@@ -159,7 +136,7 @@ def run_train(args: argparse.Namespace) -> int:
             _check_run_dir(cfg.trainer.run_dir, bool(args.resume))
             _check_model_fits(cfg, int(os.environ.get("WORLD_SIZE", nproc)))
         except ValueError as e:
-            print(f"mgrpo train: config error: {e}", file=sys.stderr)
+            print(f"mgrpo train: {_error_kind(e)}: {e}", file=sys.stderr)
             return 2
     if not launched_externally():
         if nproc > 1:

@@ -455,6 +455,12 @@ def _write_stats(args, r: dict) -> None:
         Path(args.stats_json).write_text(json.dumps(r, indent=2, default=str) + "\n")
 
 
+def _rate(mib: float, seconds: float) -> str:
+    """MiB/s for the summary line: whole numbers, one decimal below 10 (a tiny model's 0.5 MiB/s is not 0)."""
+    r = mib / max(seconds, 1e-9)
+    return f"{r:.0f}" if r >= 10 else f"{r:.1f}"
+
+
 def _print_error(e: BaseException) -> int:
     print(f"mgrpo convert: error: {e}", file=sys.stderr)
     return 2
@@ -462,10 +468,12 @@ def _print_error(e: BaseException) -> int:
 
 def _handled(fn):
     def run(args: argparse.Namespace) -> int:
+        from megatron_grpo.notices import quiet_known_notices
         from model_bridge.config import ConfigError
         from model_bridge.io import CheckpointError
         from model_bridge.mappings import MappingError
 
+        quiet_known_notices()
         try:
             return fn(args)
         except (ConfigError, CheckpointError, ConvertError, MappingError, FileNotFoundError) as e:
@@ -485,7 +493,7 @@ def _cmd_hf_to_mcore(args) -> int:
     mb = r["bytes"] / 2**20
     print(f"wrote Megatron dist checkpoint {r['out']} (torch_dist, loadable at any TP/EP/PP; written at "
           f"tp={args.tp} ep={args.ep} pp={args.pp} on {r['world_size']} rank(s)): {mb:.1f} MiB in "
-          f"{r['seconds']:.1f} s ({mb / max(r['seconds'], 1e-9):.0f} MiB/s)")
+          f"{r['seconds']:.1f} s ({_rate(mb, r['seconds'])} MiB/s)")
     return 0
 
 
@@ -496,7 +504,7 @@ def _cmd_mcore_to_hf(args) -> int:
     _write_stats(args, r)
     mb = r["bytes"] / 2**20
     print(f"wrote HF checkpoint {r['out']}: {r['n_model_tensors']} converted + {r['n_passthrough']} pass-through "
-          f"tensors, {mb:.1f} MiB in {r['seconds']:.1f} s ({mb / max(r['seconds'], 1e-9):.0f} MiB/s); copied "
+          f"tensors, {mb:.1f} MiB in {r['seconds']:.1f} s ({_rate(mb, r['seconds'])} MiB/s); copied "
           f"{', '.join(r['side_files'])}")
     return 0
 

@@ -24,17 +24,21 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && [ -x "$VENV/bin/python"
 fi
 t0=$(date +%s)
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+pip_() {  # a machine's pip.conf may list find-links folders that do not exist: pip then warns once per
+  # package looked up (hundreds of lines that are not about this install); the rest of its output stays
+  "$VENV/bin/python" -m pip "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+}
 PIP="$VENV/bin/python -m pip"
-echo "[install] installing into $VENV (first time takes ~5 min)"
-$PIP install -q --upgrade pip wheel setuptools
+echo "[install] installing into $VENV (about two minutes with a warm pip cache, longer on a cold one)"
+pip_ install -q --upgrade pip wheel setuptools
 # torch first, pinned, so nothing later pulls a CUDA build
-$PIP install -q torch==2.13.0
-$PIP install -q -e '.[rollout-cpu,dev]'
+pip_ install -q torch==2.13.0
+pip_ install -q -e '.[rollout-cpu,dev]'
 $PIP uninstall -y -q torchaudio torchcodec 2>/dev/null || true
 TV=$("$VENV/bin/python" -c 'import sysconfig;print(sysconfig.get_paths()["purelib"])')/torchvision/_meta_registrations.py
 if [ -f "$TV" ]; then
   sed -i -E 's/^@torch\.library\.register_fake\("torchvision::(q?nms)"\)$/@(torch.library.register_fake("torchvision::\1") if torchvision.extension._has_ops() else (lambda f: f))/' "$TV"
 fi
-"$VENV/bin/python" -c 'import torch, torchvision, vllm, transformers, megatron.core; print("[install] ok: torch", torch.__version__, "vllm", vllm.__version__, "transformers", transformers.__version__, "megatron-core", megatron.core.__version__)'
+"$VENV/bin/python" -W ignore -c 'import torch, torchvision, vllm, transformers, megatron.core; print("[install] ok: torch", torch.__version__, "vllm", vllm.__version__, "transformers", transformers.__version__, "megatron-core", megatron.core.__version__)'
 echo "$want" > "$STAMP"
 echo "[install] done in $(( $(date +%s) - t0 )) s; venv size $(du -sh "$VENV" | cut -f1)"

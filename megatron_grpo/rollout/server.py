@@ -184,6 +184,15 @@ class RequireApiKey:
         await send({"type": "http.response.body", "body": body})
 
 
+def start_banner(cmd: list[str]) -> str:
+    """The line written to the server log before each start (a resumed run appends to the same log)."""
+    import datetime
+    import shlex
+
+    now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    return f"\n===== mgrpo: starting the vLLM server at {now}: {shlex.join(cmd)}\n"
+
+
 class VLLMServer:
     """A vLLM server child process: `start()` waits for /health, `stop()` ends its process group.
 
@@ -223,8 +232,11 @@ class VLLMServer:
 
     def start(self, timeout: float = 600.0, progress: bool = True) -> "VLLMServer":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        cmd = build_command(self.spec)
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(build_command(self.spec), stdout=log, stderr=subprocess.STDOUT,
+        log.write(start_banner(cmd).encode())  # a resumed run appends: each start is marked
+        log.flush()
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=self._env(), start_new_session=True)
         log.close()
         try:

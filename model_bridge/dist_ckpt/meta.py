@@ -150,6 +150,18 @@ def _training_error(d: Path, meta: dict) -> CheckpointError:
         f"`mgrpo convert mcore-to-hf --mcore {d} --out DIR` (--hf-source defaults to the run's model.hf_dir)")
 
 
+def _existing_steps_hint(d: Path, most: int = 8) -> str:
+    """For a missing ``RUN/checkpoints/step_N``: the step dirs that do exist there (the newest
+    ``most``), so a mistyped step shows the right ones."""
+    if d.parent.name != "checkpoints" or not d.parent.is_dir():
+        return ""
+    steps = sorted(p.name for p in d.parent.iterdir() if p.is_dir() and p.name.startswith("step_"))
+    if not steps:
+        return f"; {d.parent} holds no step_* checkpoint yet"
+    shown = ", ".join(steps[-most:])
+    return f"; {d.parent} holds {shown}" + (f" (the newest {most} of {len(steps)})" if len(steps) > most else "")
+
+
 def check_dist_checkpoint(ckpt_dir: str | os.PathLike, spec=None, *, allow_training: bool = False) -> dict:
     """Raise ``CheckpointError`` unless ``ckpt_dir`` is a complete torch_dist checkpoint (and, with
     ``spec``, one of this model spec); return its :data:`META_FILE` content ({} when absent).
@@ -158,8 +170,10 @@ def check_dist_checkpoint(ckpt_dir: str | os.PathLike, spec=None, *, allow_train
     spec is not fingerprinted (``iter_dist_checkpoint_as_hf`` compares the stored shapes)."""
     d = Path(ckpt_dir)
     if not d.exists():
-        raise CheckpointError(f"{d} does not exist (expected a Megatron dist checkpoint directory, e.g. from "
-                              "`mgrpo convert hf-to-mcore`)")
+        what = "a Megatron dist checkpoint directory, e.g. from `mgrpo convert hf-to-mcore`"
+        if allow_training:
+            what += ", a training run directory, or one of its checkpoints/step_<8-digit step> dirs"
+        raise CheckpointError(f"{d} does not exist (expected {what}){_existing_steps_hint(d)}")
     if not d.is_dir():
         raise CheckpointError(f"{d} is not a directory (expected a Megatron dist checkpoint directory)")
     cfg = d / "metadata.json"

@@ -13,6 +13,41 @@ def test_tiny_example_is_the_embedded_default():
     assert load_train_config(REPO / "examples" / "audio_agent_tiny.yaml") == TrainConfig()
 
 
+def _dotted_fields(obj, prefix: str = "") -> set:
+    import dataclasses
+
+    out = set()
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        out |= _dotted_fields(v, f"{prefix}{f.name}.") if dataclasses.is_dataclass(v) else {prefix + f.name}
+    return out
+
+
+def _dotted_keys(d: dict, prefix: str = "", sections: frozenset = frozenset()) -> set:
+    out = set()
+    for k, v in d.items():
+        key = prefix + k
+        out |= _dotted_keys(v, key + ".", sections) if key in sections else {key}
+    return out
+
+
+def test_tiny_example_writes_out_every_key():
+    """The example says it is the embedded default written out: it names every key of the tree,
+    and nothing else."""
+    import dataclasses
+
+    import yaml
+
+    cfg = TrainConfig()
+    fields = _dotted_fields(cfg)
+    # every dotted prefix of a field is a section (a YAML mapping); other mappings are values
+    sections = frozenset(".".join(k.split(".")[:i]) for k in fields for i in range(1, k.count(".") + 1))
+    written = _dotted_keys(yaml.safe_load((REPO / "examples" / "audio_agent_tiny.yaml").read_text()), "", sections)
+    assert dataclasses.is_dataclass(cfg)
+    assert not fields - written, f"keys missing from the example: {sorted(fields - written)}"
+    assert not written - fields, f"keys the tree does not have: {sorted(written - fields)}"
+
+
 def test_30b_example_loads_with_its_layout():
     cfg = load_train_config(REPO / "examples" / "qwen3_omni_30b_a3b_audio_agent.yaml")
     p = cfg.parallel

@@ -98,7 +98,7 @@ def test_bad_data_row_fails_before_any_rank_or_server_starts(tmp_path):
     r = _mgrpo("train", f"data.train_jsonl={bad}", f"trainer.run_dir={tmp_path / 'run'}")
     assert r.returncode == 2, r.stderr[-2000:]
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"mgrpo train: config error: {bad} line 1: missing 'audios'"), last
+    assert last.startswith(f"mgrpo train: data error: {bad} line 1: missing 'audios'"), last
     assert "vllm" not in (r.stdout + r.stderr).lower()
     assert not (tmp_path / "run" / "vllm-server.log").exists()
 
@@ -170,7 +170,8 @@ def test_zero_std_groups_are_counted_and_a_streak_is_announced_once(capsys):
     streak = _warn_no_signal(2, flat, streak)
     assert streak
     assert capsys.readouterr().out.startswith(
-        "[train] step 2: every group's samples scored the same (mean reward 0.000), so every advantage is 0")
+        "[train] step 2: no learning signal: every group's samples scored the same (mean reward 0.000), so every "
+        "advantage is 0")
     assert _warn_no_signal(3, flat, streak) and capsys.readouterr().out == ""  # announced once per streak
     assert not _warn_no_signal(4, m, True)
 

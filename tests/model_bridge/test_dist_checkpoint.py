@@ -238,3 +238,26 @@ def test_direct_reader_matches_safetensors(tiny_ckpt):
         assert direct.reads["thinker.model.embed_tokens.weight"] == 3  # full, rows, columns
     finally:
         direct.close()
+
+
+def test_missing_checkpoint_names_what_is_expected_and_the_steps_that_exist(tmp_path):
+    """A mistyped ``RUN/checkpoints/step_N`` lists the step dirs that do exist; the export path
+    (``allow_training``) also names run dirs and step dirs as accepted inputs."""
+    from model_bridge.dist_ckpt.meta import check_dist_checkpoint
+    from model_bridge.io import CheckpointError
+
+    ckpts = tmp_path / "run" / "checkpoints"
+    for step in (10, 20):
+        (ckpts / f"step_{step:08d}").mkdir(parents=True)
+    (ckpts / "latest.txt").write_text("20\n")  # not a step dir: not listed
+    missing = ckpts / "step_00000030"
+    with pytest.raises(CheckpointError) as e:
+        check_dist_checkpoint(missing, allow_training=True)
+    assert str(e.value) == (
+        f"{missing} does not exist (expected a Megatron dist checkpoint directory, e.g. from `mgrpo convert "
+        "hf-to-mcore`, a training run directory, or one of its checkpoints/step_<8-digit step> dirs); "
+        f"{ckpts} holds step_00000010, step_00000020")
+    with pytest.raises(CheckpointError) as e:
+        check_dist_checkpoint(tmp_path / "nope")
+    assert str(e.value) == (f"{tmp_path / 'nope'} does not exist (expected a Megatron dist checkpoint directory, "
+                            "e.g. from `mgrpo convert hf-to-mcore`)")

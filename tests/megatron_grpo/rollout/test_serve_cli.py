@@ -159,3 +159,15 @@ def test_tensor_parallel_size_that_does_not_fit_the_heads_fails_before_vllm(caps
     assert rc == 2 and "use one of --tp 1, 2, 4" in err
     rc, err = _serve(capsys, "--model", str(tiny_ckpt), "--dp", "0")
     assert rc == 2 and "--tp and --dp must be >= 1" in err
+
+
+def test_each_server_start_is_marked_in_its_log():
+    """A resumed run appends to the same vllm-server.log: every start writes one marked line with
+    the time and the exact (shell-quoted) command first."""
+    import re
+
+    from megatron_grpo.rollout.server import start_banner
+
+    line = start_banner(["python", "-m", "vllm", "--model", "/a dir/m"])
+    assert re.fullmatch(r"\n===== mgrpo: starting the vLLM server at \d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d\d:\d\d: "
+                        r"python -m vllm --model '/a dir/m'\n", line), line
