@@ -24,11 +24,11 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && [ -x "$VENV/bin/python"
 fi
 t0=$(date +%s)
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+PIP="$VENV/bin/python -m pip"
 pip_() {  # a machine's pip.conf may list find-links folders that do not exist: pip then warns once per
   # package looked up (hundreds of lines that are not about this install); the rest of its output stays
-  "$VENV/bin/python" -m pip "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+  $PIP "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
 }
-PIP="$VENV/bin/python -m pip"
 echo "[install] installing into $VENV (about two minutes with a warm pip cache, longer on a cold one)"
 pip_ install -q --upgrade pip wheel setuptools
 # torch first, pinned, so nothing later pulls a CUDA build
