@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import statistics
 
-from launch.bench._layers_timing import _alloc_gib, _backward, _count_syncs, _peak_gib, _profile, _time_steps, bench_loss
+from launch.bench._layers_timing import (_alloc_gib, _backward, _count_syncs, _peak_gib, _profile, _time_steps, bench_loss,
+                                         step_diagnostics)
 
 
 OUR_SYSTEMS = {
@@ -118,13 +120,15 @@ def probe_losses(model, spec, ids: list, probe, norm_w, device) -> dict:
 
 def run_ours(model, spec, ids: list, probe, norm_w, device, warmup: int, iters: int, profile_path=None,
              capture_counts: bool = False, groups: list[list[int]] | None = None, barrier=None,
-             keep_step: bool = False) -> dict:
+             keep_step: bool = False, diagnose: bool = False) -> dict:
     """fwd+bwd of the packed batch (``groups``: micro-batches of sample indices, grads accumulated).
 
     Every rank of an EP run must call this with the same arguments apart from the data (same
     warmup/iters, ``profile_path`` given on all ranks or on none): each step is collective.
     ``barrier`` (a callable) lines the ranks up before the timed steps. ``keep_step``: the result's
-    ``"step"`` is the step function (the kernel ceiling times it again, taking turns with its own)."""
+    ``"step"`` is the step function (the kernel ceiling times it again, taking turns with its own).
+    ``diagnose`` (CUDA, one rank): also ``step_s_gpu_bound`` and ``step_s_after_idle``
+    (:func:`~launch.bench._layers_timing.step_diagnostics`)."""
     import torch
 
     mbs = _micro_batches(spec, ids, probe, device, groups)
@@ -170,6 +174,8 @@ def run_ours(model, spec, ids: list, probe, norm_w, device, warmup: int, iters: 
     times = _time_steps(step, device, warmup, iters, host_s=host, pipelined_s=pipelined)
     res = {"step_s": times, "host_issue_s": host, "step_s_pipelined": pipelined[0], "output": first, "expert_counts": counts,
            "micro_batch_tokens": [sum(m[1]) for m in mbs], "peak_gib": _peak_gib(device)}
+    if diagnose and device.type == "cuda":  # after the peak was read (same memory, but kept apart)
+        res.update(step_diagnostics(step, device, iters, statistics.median(host)))
     if device.type == "cuda":  # after the peak was read: this resets it
         res["memory_trace"] = []
         step(trace=res["memory_trace"])

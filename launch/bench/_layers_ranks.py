@@ -154,7 +154,8 @@ def _rank_run(out: Path, layers, tokens, ep, tiny, systems, warmup, iters, seed,
                 qk_norm_rope_env(qk_norm_rope):
             r = run_ours(model, spec, ids, probe, norm_w, device, warmup if backend == "torch" else 1, n_it,
                          profile_path=profile, capture_counts=(name == "ours"), groups=pack_by_budget(lengths, budget),
-                         barrier=dist.barrier if ep > 1 else None, keep_step=(name == "ours"))
+                         barrier=dist.barrier if ep > 1 else None, keep_step=(name == "ours"),
+                         diagnose=(ep == 1 and backend == "torch"))
         paired = r.pop("step", None)
         if name == "ours" and ceiling and dist.get_world_size() == 1 and device.type == "cuda":
             # right after ours (its step takes turns with the ceiling step: the same GPU state)
@@ -173,6 +174,9 @@ def _rank_run(out: Path, layers, tokens, ep, tiny, systems, warmup, iters, seed,
                  "micro_batch_tokens": r["micro_batch_tokens"],
                  "memory_trace": r.get("memory_trace"),
                  "host_issue_s_median": statistics.median(r["host_issue_s"])}
+        for key in ("step_s_gpu_bound", "step_s_after_idle"):  # where the step's time goes (step_diagnostics)
+            if r.get(key):
+                extra[f"{key}_median"] = statistics.median(r[key])
         if hf_out is not None:
             ref = hf_out.float()
             extra["rel_diff_vs_hf_bs1"] = ((r["output"].cpu().float() - ref).norm() / ref.norm()).item()
@@ -197,6 +201,8 @@ def _rank_run(out: Path, layers, tokens, ep, tiny, systems, warmup, iters, seed,
             f"{s['step_s_median'] * 1e3:.1f} ms (host done issuing after {extra['host_issue_s_median'] * 1e3:.1f} ms), "
             f"peak {peak} GiB, micro-batches {r['micro_batch_tokens']}, "
             f"rel diff vs HF {extra.get('rel_diff_vs_hf_bs1')}"
+            + (f", GPU-bound step {extra['step_s_gpu_bound_median'] * 1e3:.1f} ms" if extra.get("step_s_gpu_bound_median") else "")
+            + (f", after idle {extra['step_s_after_idle_median'] * 1e3:.1f} ms" if extra.get("step_s_after_idle_median") else "")
             + (f", host syncs/step {extra['host_syncs_per_step']['total']}" if extra.get("host_syncs_per_step") else ""))
         del model, r
     _mem_reset(device)

@@ -26,6 +26,9 @@ def _ratios(res: dict) -> dict:
             r[f"{name}_vs_kernel_ceiling"] = kc["total_s"] / s[name]["step_s_median"]
             if s[name].get("step_s_pipelined"):  # steps back to back: no host prologue in the time
                 r[f"{name}_pipelined_vs_kernel_ceiling"] = kc["total_s"] / s[name]["step_s_pipelined"]
+            for key, tag in (("step_s_gpu_bound_median", "gpu_bound"), ("step_s_after_idle_median", "after_idle")):
+                if s[name].get(key):  # diagnostics (_layers_timing.step_diagnostics), not targets
+                    r[f"{name}_{tag}_vs_kernel_ceiling"] = kc["total_s"] / s[name][key]
             if name == "ours" and "paired_step_s_median" in kc:  # the stricter ceiling, same rounds
                 r["ours_vs_kernel_ceiling_back_to_back"] = kc["back_to_back_s_median"] / kc["paired_step_s_median"]
     r["targets"] = {
@@ -112,12 +115,17 @@ def _merge_ep(base: dict, values: list[dict], ep: int) -> dict:
 def _print_table(res: dict) -> None:
     s = res["systems"]
     w = max([12] + [len(n) for n in s])
-    print(f"\n{'system':<{w}} {'tok/s':>10} {'TFLOP/s':>9} {'step ms':>9} {'piped ms':>9} {'peak GiB':>9}")
+    print(f"\n{'system':<{w}} {'tok/s':>10} {'TFLOP/s':>9} {'step ms':>9} {'piped ms':>9} {'GPU-bound':>9} "
+          f"{'idle 1st':>9} {'peak GiB':>9}")
+
+    def ms(v, key):
+        return f"{v[key] * 1e3:.1f}" if v.get(key) else "-"
+
     for n, v in s.items():
         pk = f"{v['peak_mem_gib']:.1f}" if v["peak_mem_gib"] is not None else "-"
-        piped = f"{v['step_s_pipelined'] * 1e3:.1f}" if v.get("step_s_pipelined") else "-"
         print(f"{n:<{w}} {v['tok_per_s']:>10.0f} {v['useful_tflops']:>9.1f} {v['step_s_median'] * 1e3:>9.1f} "
-              f"{piped:>9} {pk:>9}")
+              f"{ms(v, 'step_s_pipelined'):>9} {ms(v, 'step_s_gpu_bound_median'):>9} "
+              f"{ms(v, 'step_s_after_idle_median'):>9} {pk:>9}")
     kc = res.get("kernel_ceiling", {})
     if "total_s" in kc:
         print(f"{'ceiling':<{w}} {kc['tok_per_s']:>10.0f} {kc['useful_tflops']:>9.1f} {kc['total_s'] * 1e3:>9.1f}")

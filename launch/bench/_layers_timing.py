@@ -81,6 +81,64 @@ def time_alternating(fns: list, device, warmup: int, iters: int) -> list[list[fl
     return out
 
 
+GPU_IDLE_S = 0.05
+"""GPU idle before each step of ``step_s_after_idle`` (an H200 back at full clocks after ~0.3 s
+idle measured 1.97 GHz against 1.71-1.79 under back-to-back steps; 50 ms already recovers most)."""
+_SLEEP_CYCLES_PER_S = 2.0e9
+"""GPU clock cycles per second assumed to size the sleep kernel (H200: up to 1.98 GHz); the
+sleep's length is checked, not trusted (:func:`step_diagnostics`)."""
+
+
+def step_diagnostics(step, device, iters: int, host_issue_s: float) -> dict:
+    """Two more timings of ``step`` on CUDA, medians of ``iters`` steps, that split a timed step's
+    time (``step_s``) into the GPU's own work and what surrounds it:
+
+    * ``step_s_gpu_bound``: each step issued while a sleep kernel holds the GPU, long enough that
+      the host has queued the whole step before the GPU starts it (checked: the event behind the
+      sleep must still be pending when the step returns; the sleep doubles up to 3 times, else
+      None: the host had to wait for the GPU somewhere, at a host sync, or because the step has
+      more kernels than the GPU's launch queue holds: ``ours_mb``'s six micro-batches on an H200).
+      The GPU never waits for the host here: its kernels and their launch gaps only. ``step_s`` minus this is the GPU's idle
+      start while the host runs the step's prologue, plus the clocks (next).
+    * ``step_s_after_idle``: each step timed alone after :data:`GPU_IDLE_S` of GPU idle, as
+      ``step_s`` but with the GPU's clocks recovered from the previous step's sustained work.
+      ``step_s`` minus this is what back-to-back work costs in clocks.
+    """
+    import torch
+
+    out = {"step_s_gpu_bound": None, "step_s_after_idle": None}
+    if device.type != "cuda":
+        return out
+    sleep = getattr(torch.cuda, "_sleep", None)
+    bound, seconds = [], max(0.02, 2 * host_issue_s)
+    while sleep is not None and len(bound) < iters:
+        torch.cuda.synchronize()
+        sleep(int(seconds * _SLEEP_CYCLES_PER_S))
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        step()
+        started = a.query()  # the GPU got past the sleep before the host had queued the step
+        b.record()
+        torch.cuda.synchronize()
+        if not started:
+            bound.append(a.elapsed_time(b) / 1e3)
+        elif seconds < 8 * max(0.02, 2 * host_issue_s):
+            seconds *= 2
+        else:
+            break
+    if len(bound) == iters:
+        out["step_s_gpu_bound"] = bound
+    idle = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        time.sleep(GPU_IDLE_S)
+        with _Timer(device) as t:
+            step()
+        idle.append(t.s)
+    out["step_s_after_idle"] = idle
+    return out
+
+
 def bench_loss(out, probe_lo):
     """The bench's loss ``sum(out * R)``: ``R`` already in ``out``'s dtype, the product in that dtype,
     summed in fp32 (one pass each way: the cheapest stand-in for an LM head, the same for every

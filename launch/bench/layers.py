@@ -57,6 +57,14 @@ to reach the first GEMM). ``piped ms`` (``step_s_pipelined``) is the mean of ``-
 back to back with no wait between them, as a trainer runs consecutive micro-batches: each step's
 prologue overlaps the previous step's tail. Both are in the JSON, with both ratios to the kernel
 ceiling (whose micro-benchmarks time each call alone too); the targets are checked on ``step ms``.
+Two diagnostics split ``step ms`` (our single-GPU systems; ``_layers_timing.step_diagnostics``):
+``GPU-bound`` (``step_s_gpu_bound_median``), each step queued by the host while a sleep kernel
+holds the GPU, so the GPU never waits for the host (its kernels and launch gaps only), and ``idle
+1st`` (``step_s_after_idle_median``), each step timed alone after 50 ms of GPU idle, so at the
+clocks a short burst gets (an H200 at its power limit clocks lower under sustained work). ``step
+ms`` minus ``idle 1st`` is the clocks' cost of back-to-back work; ``idle 1st`` minus ``GPU-bound``
+the GPU's idle start while the host runs the prologue. Their ratios to the ceiling are in the JSON
+(``*_gpu_bound_vs_kernel_ceiling``, ``*_after_idle_vs_kernel_ceiling``), not targets.
 
 Outputs under ``--out``: ``bench_layers.json`` (every number, the environment, the commands),
 ``bench_layers.png`` (tok/s, TFLOP/s with the ceiling, peak memory), ``bench_layers_profile.txt``

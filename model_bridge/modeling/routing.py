@@ -53,7 +53,7 @@ enabled()`` branch, which only changes how its dense outputs are built, has no c
 :func:`fused_topk_routing_with_aux` also computes megatron's load-balancing loss
 (``switch_load_balancing_loss_func`` over the fp32 softmax of all E logits and the routing map's
 token counts) in the same kernels: the forward kernel writes each program's column sums of the
-softmax and of the map, one more single-program kernel (``aux_reduce``) sums them in a fixed order
+softmax and of the map, a two-stage reduction (``aux_reduce``, twice) sums them in a fixed order
 and forms the loss, and the backward kernel adds the loss's gradient (the softmax backward of
 ``aux_scale * count_e`` times the loss's incoming gradient) to the routing's, in fp32. That replaces
 megatron's ~7 small ops (a ``[T, E]`` softmax, two column sums, products; and their backward) in
@@ -183,22 +183,30 @@ def _kernels():
             tl.store(pcnt_ptr + part, tl.sum((sel_TE & rmask_T[:, None]).to(tl.int32), 0))
 
     @triton.jit
-    def aux_reduce(pcol_ptr, pcnt_ptr, cnt_ptr, aux_ptr, n_parts, E, aux_scale, BE: tl.constexpr,
-                   BP: tl.constexpr):
-        # one program: the partial sums in a fixed order (deterministic), the counts per expert,
-        # and aux_scale * sum_e P_e * C_e (megatron's switch_load_balancing_loss_func)
+    def aux_reduce(pcol_ptr, pcnt_ptr, qcol_ptr, qcnt_ptr, cnt_ptr, aux_ptr, n_parts, E, aux_scale, CH,
+                   FINAL: tl.constexpr, BE: tl.constexpr, BP: tl.constexpr):
+        # program g sums the partial rows [g*CH, (g+1)*CH) in a fixed order (deterministic) into
+        # row g of q*; FINAL (one program over all rows): the counts per expert and
+        # aux_scale * sum_e P_e * C_e (megatron's switch_load_balancing_loss_func)
         cols_E = tl.arange(0, BE)
         cmask_E = cols_E < E
+        first = tl.program_id(0) * CH
+        end = tl.minimum(first + CH, n_parts)
         p_E = tl.zeros([BE], dtype=tl.float32)
         c_E = tl.zeros([BE], dtype=tl.int32)
-        for start in range(0, n_parts, BP):
+        for start in range(first, end, BP):
             parts_P = start + tl.arange(0, BP)
             o_PE = parts_P.to(tl.int64)[:, None] * BE + cols_E[None, :]
-            m_PE = (parts_P < n_parts)[:, None] & cmask_E[None, :]
+            m_PE = (parts_P < end)[:, None] & cmask_E[None, :]
             p_E += tl.sum(tl.load(pcol_ptr + o_PE, mask=m_PE, other=0.0), 0)
             c_E += tl.sum(tl.load(pcnt_ptr + o_PE, mask=m_PE, other=0), 0)
-        tl.store(cnt_ptr + cols_E, c_E, mask=cmask_E)
-        tl.store(aux_ptr, tl.sum(p_E * c_E.to(tl.float32), 0) * aux_scale)
+        if FINAL:
+            tl.store(cnt_ptr + cols_E, c_E, mask=cmask_E)
+            tl.store(aux_ptr, tl.sum(p_E * c_E.to(tl.float32), 0) * aux_scale)
+        else:
+            row = tl.program_id(0).to(tl.int64) * BE + cols_E
+            tl.store(qcol_ptr + row, p_E)
+            tl.store(qcnt_ptr + row, c_E)
 
     @triton.jit
     def routing_bwd(g_ptr, x_ptr, idx_ptr, ptop_ptr, dx_ptr, cnt_ptr, gaux_ptr, T, E, sg, sx, sdx, scale, aux_scale,
@@ -255,8 +263,24 @@ def _kernels():
 
 
 _AUX_REDUCE_ROWS = 32
-"""Partial rows (programs of the forward) per step of :func:`aux_reduce` (1425 at 22.8k tokens:
-45 steps of 32 x 128)."""
+"""Partial rows (programs of the forward) per step of :func:`aux_reduce`, and per program of its
+first stage. In one program the 1425 rows of 22.8k tokens took 45 dependent steps, 91 us on an
+H200; two stages (45 programs of 32 rows, then one program over their 45 rows: 2 steps) take a
+few us, in the same fixed order of additions for a given token count."""
+
+
+def _aux_reduce(kernel, pcol_PE, pcnt_PE, cnt_E, aux_loss, parts: int, E: int, be: int, aux_scale: float) -> None:
+    """The aux loss and the counts per expert from the forward's ``parts`` partial rows (rows
+    ``parts:`` of ``pcol_PE``/``pcnt_PE`` hold the first stage's sums)."""
+    import triton
+
+    ch = _AUX_REDUCE_ROWS
+    groups = triton.cdiv(parts, ch)
+    qcol_GE, qcnt_GE = pcol_PE[parts:], pcnt_PE[parts:]
+    kernel[(groups,)](pcol_PE, pcnt_PE, qcol_GE, qcnt_GE, cnt_E, aux_loss, parts, E, aux_scale, ch,
+                      FINAL=False, BE=be, BP=ch, num_warps=4)
+    kernel[(1,)](qcol_GE, qcnt_GE, qcol_GE, qcnt_GE, cnt_E, aux_loss, groups, E, aux_scale, groups,
+                 FINAL=True, BE=be, BP=ch, num_warps=4)
 
 
 def _blocks(E: int, topk: int, tile: int) -> tuple[int, int, int]:
@@ -284,10 +308,14 @@ def _routing_forward(ctx, logits_TE, topk: int, pre_softmax: bool, scale: float,
     bt, be, bk = _blocks(E, topk, _FWD_TILE)
     parts = triton.cdiv(T, bt)
     # the aux loss's per-program column sums (softmax, counts), its value and the counts per expert
-    pcol_PE = torch.empty(parts if aux else 0, be, dtype=torch.float32, device=dev)
-    pcnt_PE = torch.empty(parts if aux else 0, be, dtype=torch.int32, device=dev)
-    cnt_E = torch.zeros(E if aux else 0, dtype=torch.int32, device=dev)
-    aux_loss = torch.zeros((), dtype=torch.float32, device=dev) if aux else None
+    # (and, in rows ``parts:``, the first stage of their sums: _aux_reduce)
+    rows = parts + triton.cdiv(parts, _AUX_REDUCE_ROWS) if aux else 0
+    pcol_PE = torch.empty(rows, be, dtype=torch.float32, device=dev)
+    pcnt_PE = torch.empty(rows, be, dtype=torch.int32, device=dev)
+    # written by the reduction when there are tokens (no memset launches), zeros otherwise
+    new = torch.empty if T else torch.zeros
+    cnt_E = new(E if aux else 0, dtype=torch.int32, device=dev)
+    aux_loss = new((), dtype=torch.float32, device=dev) if aux else None
     kernels = _kernels()
     if T:
         # the map through an int8 view: Triton stores bytes, not i1; unused pointers: any tensor
@@ -297,8 +325,7 @@ def _routing_forward(ctx, logits_TE, topk: int, pre_softmax: bool, scale: float,
             map_TE.stride(0), scale, K=topk, PRE_SOFTMAX=pre_softmax, AUX=aux, BT=bt, BE=be, BK=bk,
             num_warps=_FWD_WARPS)
         if aux:
-            kernels[2][(1,)](pcol_PE, pcnt_PE, cnt_E, aux_loss, parts, E, float(aux_scale), BE=be,
-                             BP=_AUX_REDUCE_ROWS, num_warps=4)
+            _aux_reduce(kernels[2], pcol_PE, pcnt_PE, cnt_E, aux_loss, parts, E, be, float(aux_scale))
     ctx.mark_non_differentiable(map_TE, *([cnt_E] if aux else []))
     ctx.set_materialize_grads(False)  # no [T, E] zeros for the map's (nonexistent) gradient
     # pre-softmax or the aux loss keep the logits (a reference) to recompute the scores; without

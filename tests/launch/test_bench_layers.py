@@ -2,8 +2,9 @@
 taking turns with our step.
 
 The CPU test checks the order in which :func:`time_alternating` runs things (warm-up rounds
-untimed, then one of each per round). The GPU test runs the real command at the tiny geometry
-and checks both ceilings and the ratios computed from them.
+untimed, then one of each per round). The GPU tests run the real command at the tiny geometry
+and check both ceilings and the ratios computed from them, and what the GPU-bound step time
+(``step_diagnostics``) refuses to measure.
 """
 from __future__ import annotations
 
@@ -49,6 +50,33 @@ def test_ceiling_step_alternates_with_ours(tmp_path):
     assert r["ours_vs_kernel_ceiling"] == pytest.approx(kc["total_s"] / res["systems"]["ours"]["step_s_median"])
     assert r["ours_vs_kernel_ceiling_back_to_back"] == pytest.approx(
         kc["back_to_back_s_median"] / kc["paired_step_s_median"])
+    ours = res["systems"]["ours"]  # the step's diagnostics ride along (no host sync in ours' step)
+    assert r["ours_gpu_bound_vs_kernel_ceiling"] == pytest.approx(kc["total_s"] / ours["step_s_gpu_bound_median"])
+    assert r["ours_after_idle_vs_kernel_ceiling"] == pytest.approx(kc["total_s"] / ours["step_s_after_idle_median"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_bound_time_needs_a_step_the_host_can_queue_ahead():
+    """``step_s_gpu_bound`` is measured only where the host queues the whole step before the GPU
+    starts it: a step that reads a result back (a host sync) gets None, one that does not gets
+    ``iters`` times, none shorter than its kernels can run (20 GEMMs of 2 x 4096^3)."""
+    from launch.bench._layers_timing import step_diagnostics
+
+    dev = torch.device("cuda")
+    x = torch.randn(4096, 4096, device=dev, dtype=torch.bfloat16)
+
+    def queued():
+        for _ in range(20):
+            x @ x
+
+    def syncing():
+        (x @ x).sum().item()
+
+    d = step_diagnostics(queued, dev, iters=3, host_issue_s=0.001)
+    assert len(d["step_s_gpu_bound"]) == 3 and len(d["step_s_after_idle"]) == 3
+    assert min(d["step_s_gpu_bound"]) > 20 * 2 * 4096**3 / 2.0e15  # no faster than 2 PFLOP/s
+    assert step_diagnostics(syncing, dev, iters=2, host_issue_s=0.001)["step_s_gpu_bound"] is None
 
 
 def test_dtype_takes_both_spellings():
