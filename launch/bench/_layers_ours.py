@@ -100,7 +100,7 @@ def _forward_mb(model, mb: tuple, norm_w):
     from model_bridge.modeling.thd import thd_params
 
     _, lens, (cu, n_audio), tokens, pos, _ = mb
-    psp = thd_params(cu, tokens.device, max(lens))
+    psp = thd_params(cu, tokens.device, max(lens), defer_copy=True)  # the thinker copies them (thd.py)
     hidden = model(tokens, pos, psp, audio_token_count=n_audio)  # [T, 1, h]
     return _rms_norm(hidden.squeeze(1), norm_w)  # a view (``hidden[:, 0]``'s backward zero-fills and copies)
 

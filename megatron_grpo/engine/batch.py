@@ -114,20 +114,21 @@ class TrainMicroBatch:
         """int64 [3, 1, T] MRoPE positions (restarting per segment), the thinker's input layout."""
         return self.mb.position_ids_3T.unsqueeze(1)
 
-    def packed_seq_params(self, device: Union[str, torch.device, None] = None):
+    def packed_seq_params(self, device: Union[str, torch.device, None] = None, defer_copy: bool = False):
         """megatron ``PackedSeqParams(qkv_format="thd")`` over ``cu_seqlens_S`` (padding is its own
         trailing segment, so ``cu_seqlens_S[-1] == T`` and no ``*_padded`` offsets are needed).
 
         From a host micro-batch, with ``device``: the offsets go to ``device`` without a host sync and
         their host copy rides along, so the model plans the pass without reading the device
-        (``model_bridge/modeling/thd.py``)."""
+        (``model_bridge/modeling/thd.py``). ``defer_copy``: the offsets stay on the host for a model that
+        moves them itself (``OmniThinker``: its torch backend after layer 0's first GEMM is queued)."""
         from megatron.core.packed_seq_params import PackedSeqParams
 
         cu = self.mb.cu_seqlens_S
         if device is not None and cu.device.type == "cpu":
             from model_bridge.modeling.thd import thd_params
 
-            return thd_params(cu.tolist(), device, self.mb.max_seqlen)
+            return thd_params(cu.tolist(), device, self.mb.max_seqlen, defer_copy=defer_copy)
         return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                max_seqlen_q=self.mb.max_seqlen, max_seqlen_kv=self.mb.max_seqlen)
 

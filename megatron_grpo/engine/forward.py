@@ -61,13 +61,17 @@ def _unwrap(model):
 
 def _forward_step(use_fp16_wrapper: bool, fused: bool, loss_for: Callable, data_iterator, model):
     """megatron ``forward_step_func``: one micro-batch through this stage."""
+    from model_bridge.modeling.thinker import OmniThinker
+
     tmb: TrainMicroBatch = next(data_iterator)
     dev = model_device()
     t = tmb.to(dev, non_blocking=True)
     # built from the host batch: no host sync in the forward, so the host can queue this micro-batch
     # while the GPU still works on the previous one (thd.py)
     thinker = _unwrap(model)
-    kw = dict(packed_seq_params=tmb.packed_seq_params(dev), audio_features=t.audio_features,
+    # an OmniThinker moves the offsets itself: its torch backend after layer 0's qkv GEMM is queued
+    kw = dict(packed_seq_params=tmb.packed_seq_params(dev, defer_copy=isinstance(thinker, OmniThinker)),
+              audio_features=t.audio_features,
               audio_feature_lens=tmb.audio_feature_lens)  # host lens: the audio tower plans on the host
     if getattr(thinker, "pre_process", False) and hasattr(thinker, "spec"):
         kw["audio_token_count"] = tmb.count_tokens(thinker.spec.audio_token_id)

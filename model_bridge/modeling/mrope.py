@@ -12,6 +12,9 @@ On CUDA (one sequence or a packed buffer, b = 1) the angles come from one Triton
 writes their fp32 ``cos``/``sin`` and hands them to the fused RoPE (rope.py's cache on the angles
 tensor): one launch instead of ~11 small kernels and their host time, which sit in the step's
 prologue while the GPU idles (``MGRPO_TRITON_ROPE=0`` switches it off with the other RoPE kernels).
+For the torch backend (``InterleavedMRoPE.defer_launch``, set by the thinker; its RoPE is rope.py's
+wrapper) that launch is deferred to the first RoPE that reads the angles, after layer 0's qkv GEMM
+is queued (rope.py, "Deferred angles").
 
 Shapes: T = tokens, b = batch, d = head_dim.
 """
@@ -82,18 +85,30 @@ def _mrope_kernel():
     return mrope_angles
 
 
-def _mrope_freqs_triton(position_ids: torch.Tensor, inv_freq: torch.Tensor, mrope_section: Sequence[int]):
-    """``(freqs [T, 1, 1, d], cos [T, d], sin [T, d])`` fp32 for positions ``[3, 1, T]``, one launch."""
+def _mrope_freqs_triton(position_ids: torch.Tensor, inv_freq: torch.Tensor, mrope_section: Sequence[int],
+                        defer: bool = False):
+    """``(freqs [T, 1, 1, d], cos [T, d], sin [T, d])`` fp32 for positions ``[3, 1, T]``, one launch;
+    with ``defer`` the launch waits for the first RoPE that reads them (rope.py's deferred angles)."""
     import triton
+
+    from .rope import defer_angles
 
     T, half = position_ids.shape[-1], inv_freq.shape[0]
     pos = position_ids[:, 0]
     freqs, cos, sin = (torch.empty(T, 2 * half, dtype=torch.float32, device=pos.device) for _ in range(3))
-    if T:
-        _mrope_kernel()[(triton.cdiv(T, _MROPE_BLOCK_T),)](
-            pos, inv_freq, freqs, cos, sin, T, pos.stride(0), pos.stride(1), int(mrope_section[1]),
-            int(mrope_section[2]), HALF=half, BLOCK_T=_MROPE_BLOCK_T, num_warps=4)
-    return freqs.view(T, 1, 1, 2 * half), cos, sin
+
+    def launch():
+        if T:
+            _mrope_kernel()[(triton.cdiv(T, _MROPE_BLOCK_T),)](
+                pos, inv_freq, freqs, cos, sin, T, pos.stride(0), pos.stride(1), int(mrope_section[1]),
+                int(mrope_section[2]), HALF=half, BLOCK_T=_MROPE_BLOCK_T, num_warps=4)
+
+    out = freqs.view(T, 1, 1, 2 * half)
+    if defer:
+        defer_angles(out, launch)
+    else:
+        launch()
+    return out, cos, sin
 
 
 class InterleavedMRoPE(torch.nn.Module):
@@ -122,6 +137,9 @@ class InterleavedMRoPE(torch.nn.Module):
         self.inv_freq = 1.0 / (rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
         self.rotary_interleaved = False
         self.seq_len_interpolation_factor = seq_len_interpolation_factor
+        self.defer_launch = False
+        """Leave the angle kernel's launch to the first RoPE that reads the angles (rope.py's
+        deferred angles); only for layer specs whose RoPE is rope.py's wrapper (the torch backend)."""
 
     def forward(self, position_ids: torch.Tensor, mrope_section: Sequence[int],
                 cp_group: Optional[torch.distributed.ProcessGroup] = None) -> torch.Tensor:
@@ -132,9 +150,12 @@ class InterleavedMRoPE(torch.nn.Module):
         if self.inv_freq.device != position_ids.device:
             self.inv_freq = self.inv_freq.to(position_ids.device)
         if self._kernel_ok(position_ids, mrope_section):
-            from .rope import attach_cos_sin
+            from .rope import attach_cos_sin, fast_rope_installed
 
-            freqs, cos, sin = _mrope_freqs_triton(position_ids, self.inv_freq, mrope_section)
+            # deferred (defer_launch: set by the thinker for the torch backend) only where every
+            # RoPE of megatron's attention goes through rope.py's wrapper, which launches it first
+            freqs, cos, sin = _mrope_freqs_triton(position_ids, self.inv_freq, mrope_section,
+                                                  defer=self.defer_launch and fast_rope_installed())
             return attach_cos_sin(freqs, cos, sin)
         emb = interleaved_mrope_freqs(position_ids, self.inv_freq, mrope_section)  # [b, T, d]
         return emb[:, :, None, :].transpose(0, 1).contiguous()  # [T, b, 1, d]

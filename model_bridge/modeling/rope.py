@@ -18,6 +18,12 @@ Shapes: ``T`` packed tokens, ``n`` heads (q or k), ``d`` head dim (``HALF = d //
   norm, it gets its input back and the norm joins a queue) and this wrapper pops and applies them
   in order; anything it cannot fuse gets the norm module first, so a deferred norm is never
   skipped, and one left in the queue at the end of the forward raises.
+* Deferred angles (:func:`defer_angles`): for the torch backend (whose RoPE is this wrapper) the
+  MRoPE kernel (mrope.py) is not launched in megatron's GPT-model prologue but by the first RoPE
+  that needs its output (:func:`materialize_angles`, at the top of the wrapper and in
+  :func:`_cos_sin`): in a step's prologue the GPU waits for the host, and this moves one kernel
+  launch and its host work (~0.2 ms on an H200 node) behind layer 0's qkv GEMM, which the GPU
+  then runs meanwhile.
 """
 from __future__ import annotations
 
@@ -31,10 +37,26 @@ import torch
 
 from ._triton import import_triton, triton_runs_on
 
-__all__ = ["install_fast_rope", "fast_rope_scope", "defer_qk_norms", "deferring_qk_norms", "qk_norm_rope_wanted",
-           "grouped_query_wanted", "attach_cos_sin"]
+__all__ = ["install_fast_rope", "fast_rope_installed", "fast_rope_scope", "defer_qk_norms", "deferring_qk_norms",
+           "qk_norm_rope_wanted", "grouped_query_wanted", "attach_cos_sin", "defer_angles", "materialize_angles"]
 
 _STATE = threading.local()
+_PENDING = "_mgrpo_pending_angles"
+
+
+def defer_angles(freqs: torch.Tensor, launch) -> torch.Tensor:
+    """Mark ``freqs`` (allocated, not yet written) as written by ``launch()`` on first use
+    (:func:`materialize_angles`); returns ``freqs``."""
+    setattr(freqs, _PENDING, launch)
+    return freqs
+
+
+def materialize_angles(freqs) -> None:
+    """Run the pending launch that writes ``freqs`` (and its cos/sin), once; anything else: nothing."""
+    launch = getattr(freqs, _PENDING, None)
+    if launch is not None:
+        delattr(freqs, _PENDING)
+        launch()
 
 
 def _fast_rope_active() -> bool:
@@ -349,6 +371,7 @@ def attach_cos_sin(freqs: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ms
 def _cos_sin(freqs: torch.Tensor, mscale: float):
     """fp32 ``(cos, sin) [T, d]`` of rotary angles ``[T, 1, 1, d]``, cached on the freqs tensor (the
     same tensor reaches every layer of a forward, for q and for k)."""
+    materialize_angles(freqs)
     cached = getattr(freqs, "_mgrpo_cos_sin", None)
     if cached is not None and cached[0] == mscale and cached[1] == freqs._version:
         return cached[2], cached[3]
@@ -382,6 +405,7 @@ def _pop_deferred_norm():
 def _make_fast_rope(orig):
     @functools.wraps(orig)
     def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None, **kw):
+        materialize_angles(freqs)  # every path below reads them (deferred by mrope.py)
         norm = _pop_deferred_norm() if _fast_rope_active() else None  # q's first, then k's
         if _is_grouped_query(t, freqs):
             # the query as TorchSelfAttention hands it over when the norm is deferred: [T, groups,
@@ -414,10 +438,17 @@ def _make_fast_rope(orig):
     return apply_rotary_pos_emb
 
 
+def fast_rope_installed() -> bool:
+    """Whether megatron's attention calls its RoPE through this module's wrapper."""
+    import megatron.core.transformer.attention as attn_mod
+
+    return getattr(attn_mod.apply_rotary_pos_emb, "_mgrpo_fast_rope", False)
+
+
 def install_fast_rope() -> None:
     """Wrap ``megatron.core.transformer.attention.apply_rotary_pos_emb`` (idempotent). The wrapper
     changes nothing outside :func:`fast_rope_scope`."""
     import megatron.core.transformer.attention as attn_mod
 
-    if not getattr(attn_mod.apply_rotary_pos_emb, "_mgrpo_fast_rope", False):
+    if not fast_rope_installed():
         attn_mod.apply_rotary_pos_emb = _make_fast_rope(attn_mod.apply_rotary_pos_emb)

@@ -8,6 +8,11 @@ one. Whoever packs the micro-batch already has the offsets on the host: :func:`t
 builds the ``PackedSeqParams`` with a copy of them attached (and copies the device tensor with a
 pinned, non-blocking copy, which does not sync either); the model reads :func:`host_offsets`
 instead of the device tensor. ``PackedSeqParams`` built elsewhere still work (with the sync).
+
+``thd_params(..., defer_copy=True)`` leaves the offsets on the host (a CPU tensor, marked with the
+device they are for): no copy at all in the step's prologue, where the GPU waits for the host.
+The thinker then moves them (:func:`offsets_to_device`) unless its layer spec takes host offsets
+(the torch backend's attention copies them itself, after layer 0's qkv GEMM is queued).
 """
 from __future__ import annotations
 
@@ -15,9 +20,11 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["thd_params", "host_offsets", "attach_host_offsets", "to_device_async", "ints_to_device"]
+__all__ = ["thd_params", "host_offsets", "attach_host_offsets", "to_device_async", "ints_to_device",
+           "offsets_to_device"]
 
 _ATTR = "_mgrpo_host_offsets"
+_FOR_DEVICE = "_mgrpo_offsets_for"
 
 
 def to_device_async(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -60,9 +67,12 @@ def host_offsets(psp) -> Optional[tuple[tuple[int, ...], Optional[tuple[int, ...
     return host
 
 
-def thd_params(cu_seqlens: Sequence[int], device: torch.device | str, max_seqlen: Optional[int] = None):
+def thd_params(cu_seqlens: Sequence[int], device: torch.device | str, max_seqlen: Optional[int] = None, *,
+               defer_copy: bool = False):
     """megatron ``PackedSeqParams(qkv_format="thd")`` for samples at host offsets ``cu_seqlens``
-    (``[S+1]`` ints from 0), its int32 offsets on ``device`` (no host sync), the host copy attached."""
+    (``[S+1]`` ints from 0), its int32 offsets on ``device`` (no host sync), the host copy attached.
+    ``defer_copy`` (CUDA ``device``): the int32 offsets stay a CPU tensor, for a consumer that
+    moves them (:func:`offsets_to_device`; :class:`~model_bridge.modeling.thinker.OmniThinker` does)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     cu = [int(x) for x in cu_seqlens]
@@ -70,7 +80,27 @@ def thd_params(cu_seqlens: Sequence[int], device: torch.device | str, max_seqlen
         raise ValueError(f"cu_seqlens must rise from 0, got {cu}")
     if max_seqlen is None:
         max_seqlen = max((b - a for a, b in zip(cu, cu[1:])), default=0)
-    cu_dev = ints_to_device(cu, device)
+    device = torch.device(device)
+    defer = defer_copy and device.type == "cuda"
+    cu_dev = torch.tensor(cu, dtype=torch.int32) if defer else ints_to_device(cu, device)
     psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_dev, cu_seqlens_kv=cu_dev, max_seqlen_q=max_seqlen,
                           max_seqlen_kv=max_seqlen)
+    if defer:
+        setattr(psp, _FOR_DEVICE, device)
     return attach_host_offsets(psp, cu)
+
+
+def offsets_to_device(psp):
+    """``psp`` with offsets that :func:`thd_params` left on the host (``defer_copy``) on their
+    device (a new ``PackedSeqParams``, host copy attached); any other ``psp`` as it is."""
+    import dataclasses
+
+    device = getattr(psp, _FOR_DEVICE, None)
+    host = host_offsets(psp)
+    if device is None or host is None or psp.cu_seqlens_q.device == device:
+        return psp
+    cu = ints_to_device(host[0], device, psp.cu_seqlens_q.dtype)
+    padded = None if host[1] is None else ints_to_device(host[1], device, psp.cu_seqlens_q.dtype)
+    out = dataclasses.replace(psp, cu_seqlens_q=cu, cu_seqlens_kv=cu, cu_seqlens_q_padded=padded,
+                              cu_seqlens_kv_padded=padded)
+    return attach_host_offsets(out, host[0], host[1])

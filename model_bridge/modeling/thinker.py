@@ -35,7 +35,7 @@ from model_bridge.config import OmniSpec, ParallelLayout, check_layout, padded_v
 from .mrope import InterleavedMRoPE, mrope_position_ids
 from .specs import resolve_backend, thinker_layer_spec
 
-from .thd import attach_host_offsets, host_offsets, ints_to_device
+from .thd import attach_host_offsets, host_offsets, ints_to_device, offsets_to_device
 
 __all__ = ["OmniThinker", "build_thinker", "gather_logits", "mrope_position_ids", "VOCAB_PAD_LOGIT"]
 
@@ -144,7 +144,12 @@ class OmniThinker(MegatronModule):
             kw["vp_stage"] = vp_stage
         self.language_model = GPTModel(**kw)
         self.language_model.rotary_pos_emb = InterleavedMRoPE(kv_channels=t.head_dim, rotary_base=t.rope_theta)
-        if resolve_backend(backend) == "torch":  # the torch backend's kernels outside the layer spec
+        # the torch backend's attention takes packed offsets left on the host (thd_params(...,
+        # defer_copy=True)) and copies them after layer 0's qkv GEMM is queued; other specs get
+        # them on the device before the forward (thd.offsets_to_device)
+        self._host_offsets_ok = resolve_backend(backend) == "torch"
+        if self._host_offsets_ok:  # the torch backend's kernels outside the layer spec
+            self.language_model.rotary_pos_emb.defer_launch = True  # its RoPE is rope.py's wrapper
             from .embedding import use_sorted_embedding_backward
             from .norm import use_fast_rms_norms
 
@@ -241,6 +246,8 @@ class OmniThinker(MegatronModule):
         if self.config.sequence_parallel and T % self.layout.tp:
             raise ValueError(f"with sequence parallelism the micro-batch length ({T}) must be a multiple of "
                              f"tp={self.layout.tp}: pad it (trailing padding after cu_seqlens[-1] is ignored)")
+        if not self._host_offsets_ok:
+            packed_seq_params = offsets_to_device(packed_seq_params)
         packed_seq_params = _normalize_packed(packed_seq_params, T)
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd" and position_ids.shape[1] != 1:
             raise ValueError("packed (THD) input must have batch size 1")

@@ -104,10 +104,13 @@ def test_positions_equal_hf_get_rope_index(tiny_ckpt):
 
 def _kernel_vs_eager(device: str) -> dict:
     """The kernel's angles (bit-equal to the eager path's) and the cos/sin it hands to the fused
-    RoPE (within 2 fp32 ulps of torch's), per (head_dim, section, T); T = 0 included."""
+    RoPE (within 2 fp32 ulps of torch's), per (head_dim, section, T); T = 0 included. Deferred
+    (``defer_launch``, rope.py's wrapper installed): nothing launched until the first read, then
+    the same angles and cos/sin."""
     import model_bridge.modeling.mrope as m
-    from model_bridge.modeling.rope import _cos_sin
+    from model_bridge.modeling.rope import _cos_sin, install_fast_rope
 
+    install_fast_rope()
     g = torch.Generator().manual_seed(0)
     out = {}
     for d, section, T in ((128, (24, 20, 20), 77), (32, (8, 4, 4), 5), (128, (24, 20, 20), 0)):
@@ -118,8 +121,16 @@ def _kernel_vs_eager(device: str) -> dict:
         want = m.interleaved_mrope_freqs(pos, mod.inv_freq, section)[:, :, None, :].transpose(0, 1)
         cos, sin = _cos_sin(got, 1.0)  # from the kernel, through the cache
         f = want.reshape(T, d)
+        mod.defer_launch = True
+        lazy = mod(pos, list(section))
+        pending = hasattr(lazy, "_mgrpo_pending_angles")
+        lcos, lsin = _cos_sin(lazy, 1.0)  # the first read launches the kernel, once
+        mod.defer_launch = False
         out[f"{d}-{T}"] = {"shape": tuple(got.shape), "angles_equal": torch.equal(got, want),
                            "cached": cos is got._mgrpo_cos_sin[2],
+                           "deferred": (pending and not hasattr(lazy, "_mgrpo_pending_angles")
+                                        and torch.equal(lazy, want) and torch.equal(lcos, cos)
+                                        and torch.equal(lsin, sin)),
                            "cos_sin_err": 0.0 if T == 0 else max(float((cos - f.cos()).abs().max()),
                                                                  float((sin - f.sin()).abs().max()))}
     return out
@@ -128,7 +139,7 @@ def _kernel_vs_eager(device: str) -> dict:
 def _check_kernel(res: dict) -> None:
     for key, r in res.items():
         d, T = (int(x) for x in key.split("-"))
-        assert r["shape"] == (T, 1, 1, d) and r["angles_equal"] and r["cached"], (key, r)
+        assert r["shape"] == (T, 1, 1, d) and r["angles_equal"] and r["cached"] and r["deferred"], (key, r)
         assert r["cos_sin_err"] <= 2.4e-7, (key, r)  # |cos| <= 1: two fp32 ulps at 1.0
 
 

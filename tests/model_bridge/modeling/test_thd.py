@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megatron_grpo.testing.dist import run_ranks
-from model_bridge.modeling.thd import host_offsets, thd_params, to_device_async
+from model_bridge.modeling.thd import host_offsets, offsets_to_device, thd_params, to_device_async
 
 
 def test_thd_params_carry_host_offsets():
@@ -23,6 +23,18 @@ def test_thd_params_carry_host_offsets():
     with pytest.raises(ValueError, match=r"cu_seqlens must rise from 0, got \[0, 5, 3\]"):
         thd_params([0, 5, 3], "cpu")
     assert to_device_async(torch.arange(3), "cpu").tolist() == [0, 1, 2]
+
+
+def test_deferred_copy_leaves_the_offsets_on_the_host():
+    """``defer_copy`` for a CUDA device (no CUDA needed to build it): the int32 offsets stay a CPU
+    tensor marked for that device, host copy attached; for a CPU device it changes nothing, and
+    :func:`offsets_to_device` hands back anything not deferred as it is."""
+    psp = thd_params([0, 3, 7, 12], "cuda", defer_copy=True)
+    assert psp.cu_seqlens_q.device.type == "cpu" and psp.cu_seqlens_q.dtype == torch.int32
+    assert psp.cu_seqlens_q.tolist() == [0, 3, 7, 12] and psp.cu_seqlens_kv is psp.cu_seqlens_q
+    assert host_offsets(psp) == ((0, 3, 7, 12), None) and psp._mgrpo_offsets_for == torch.device("cuda")
+    plain = thd_params([0, 3, 7, 12], "cpu", defer_copy=True)
+    assert not hasattr(plain, "_mgrpo_offsets_for") and offsets_to_device(plain) is plain
 
 
 def test_plans_come_from_the_host_copy():
@@ -69,21 +81,31 @@ def _rank_no_syncs(hf_dir: str) -> dict:
     pos = mrope_position_ids(ids, spec, cu_seqlens=torch.tensor(cu)).unsqueeze(1).cuda()
     ids = ids.cuda()
     n_audio = 0
-    res = {}
-    for attempt in ("warm-up", "measured"):
+    res, outs = {}, {}
+    # the offsets copied by thd_params, then left on the host for the thinker (defer_copy)
+    for attempt, defer in (("warm-up", False), ("measured", False), ("measured_deferred", True)):
         torch.cuda.synchronize()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode(1)
             try:
-                psp = thd_params(cu, "cuda", max(lens))
+                psp = thd_params(cu, "cuda", max(lens), defer_copy=defer)
                 out = model(ids, pos, psp, audio_token_count=n_audio)
                 out.float().square().mean().backward()
             finally:
                 torch.cuda.set_sync_debug_mode(0)
         res[attempt] = sorted({f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)})
+        outs[attempt] = out.detach()
     torch.cuda.synchronize()
     res["finite"] = bool(torch.isfinite(out.float()).all())
+    res["deferred_equal"] = torch.equal(outs["measured"], outs["measured_deferred"])
+    # a spec that does not take host offsets gets them on the device (thd.offsets_to_device)
+    local = build_thinker(spec, ParallelLayout(), torch.bfloat16, backend="local", dummy_audio=False).cuda()
+    load_hf(local, hf_dir)
+    with torch.no_grad():
+        copied, deferred = (local(ids, pos, thd_params(cu, "cuda", max(lens), defer_copy=d), audio_token_count=0)
+                            for d in (False, True))
+        res["local_deferred_equal"] = torch.equal(copied, deferred)
     destroy_parallel()
     return res
 
@@ -92,10 +114,11 @@ def _rank_no_syncs(hf_dir: str) -> dict:
 def test_packed_forward_backward_makes_no_host_sync(tiny_ckpt):
     """With ``thd_params`` and the host audio count, a packed bf16 forward + backward of the thinker
     on the torch backend (varlen attention, grouped experts, device expert counts) issues no
-    synchronizing CUDA call (torch's sync debug mode)."""
+    synchronizing CUDA call (torch's sync debug mode), with the offsets on the device or left on
+    the host (``defer_copy``: the same output); the local spec gets deferred offsets moved."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     res = run_ranks(_rank_no_syncs, 1, str(tiny_ckpt), timeout=600)[0]
     print(f"\n[no host syncs] {res}")
-    assert res["finite"]
-    assert res["measured"] == [], res["measured"]
+    assert res["finite"] and res["deferred_equal"] and res["local_deferred_equal"], res
+    assert res["measured"] == [] and res["measured_deferred"] == [], res
