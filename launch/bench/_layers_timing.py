@@ -90,16 +90,18 @@ sleep's length is checked, not trusted (:func:`step_diagnostics`)."""
 
 
 def step_diagnostics(step, device, iters: int, host_issue_s: float) -> dict:
-    """Two more timings of ``step`` on CUDA, medians of ``iters`` steps, that split a timed step's
-    time (``step_s``) into the GPU's own work and what surrounds it:
+    """Two more timings of ``step`` on CUDA, ``iters`` steps each (lists of seconds; the bench
+    reports their medians), that split a timed step's time (``step_s``) into the GPU's own work
+    and what surrounds it:
 
     * ``step_s_gpu_bound``: each step issued while a sleep kernel holds the GPU, long enough that
       the host has queued the whole step before the GPU starts it (checked: the event behind the
       sleep must still be pending when the step returns; the sleep doubles up to 3 times, else
       None: the host had to wait for the GPU somewhere, at a host sync, or because the step has
       more kernels than the GPU's launch queue holds: ``ours_mb``'s six micro-batches on an H200).
-      The GPU never waits for the host here: its kernels and their launch gaps only. ``step_s`` minus this is the GPU's idle
-      start while the host runs the step's prologue, plus the clocks (next).
+      The GPU never waits for the host here: its kernels and their launch gaps only. ``step_s``
+      minus this is the GPU's idle start while the host runs the step's prologue, plus the clocks
+      (next).
     * ``step_s_after_idle``: each step timed alone after :data:`GPU_IDLE_S` of GPU idle, as
       ``step_s`` but with the GPU's clocks recovered from the previous step's sustained work.
       ``step_s`` minus this is what back-to-back work costs in clocks.
