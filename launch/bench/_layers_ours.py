@@ -11,18 +11,38 @@ from launch.bench._layers_timing import (_alloc_gib, _backward, _count_syncs, _p
 
 
 OUR_SYSTEMS = {
-    "ours": ("torch", False, "none", True),
-    "ours_rc": ("torch", False, "experts", True),
-    "ours_mb": ("torch", True, "none", True),
-    "ours_mb_rc": ("torch", True, "experts", True),
-    "ours_full_rc": ("torch", False, "full", True),
-    "ours_sepqkn": ("torch", False, "none", False),
-    "ours_mb_sepqkn": ("torch", True, "none", False),
-    "mcore_local": ("local", False, "none", False),
+    "ours": ("torch", False, "none", True, False),
+    "ours_rc": ("torch", False, "experts", True, False),
+    "ours_mb": ("torch", True, "none", True, False),
+    "ours_mb_rc": ("torch", True, "experts", True, False),
+    "ours_full_rc": ("torch", False, "full", True, False),
+    "ours_sepqkn": ("torch", False, "none", False, False),
+    "ours_mb_sepqkn": ("torch", True, "none", False, False),
+    "ours_graph": ("torch", False, "none", True, True),
+    "ours_mb_graph": ("torch", True, "none", True, True),
+    "mcore_local": ("local", False, "none", False, False),
 }
 """Megatron systems of the bench: name -> (layer-spec backend, micro-batches of ``--mb-tokens``
 (else the whole batch in one), ``build_thinker``'s ``recompute``, q/k RMSNorm fused into the RoPE
-kernel (the default; ``MGRPO_TRITON_QK_NORM_ROPE`` is set to 1 or 0 while the system runs, modeling/rope.py))."""
+kernel (the default; ``MGRPO_TRITON_QK_NORM_ROPE`` is set to 1 or 0 while the system runs,
+modeling/rope.py), the whole step captured once as a CUDA graph and replayed (CUDA only;
+:func:`run_ours`'s ``graph``))."""
+
+
+@contextlib.contextmanager
+def graph_stream(device):
+    """A fresh CUDA stream made current for a graph system's whole life (model build to its last
+    step). Its parameters' gradient accumulation (autograd's ``AccumulateGrad``) then runs on that
+    stream too, which a capture needs: on the legacy default stream it would make the capture fail
+    (``operation would make the legacy stream depend on a capturing blocking stream``). Elsewhere
+    (CPU) nothing changes."""
+    import torch
+
+    if device.type != "cuda":
+        yield
+        return
+    with torch.cuda.stream(torch.cuda.Stream(device)):
+        yield
 
 
 @contextlib.contextmanager
@@ -93,14 +113,16 @@ def _micro_batches(spec, ids: list, probe, device, groups: list[list[int]] | Non
     return mbs
 
 
-def _forward_mb(model, mb: tuple, norm_w):
+def _forward_mb(model, mb: tuple, norm_w, psp=None):
     """Final-normed hidden states ``[T, h]`` of one micro-batch from :func:`_micro_batches`: its
     ``PackedSeqParams`` made per step from the host offsets (``thd_params``: no host sync), as
-    the trainer's forward step does."""
+    the trainer's forward step does; or ``psp``, made once (a CUDA graph replays the addresses its
+    capture saw, so its offsets must already be on the device)."""
     from model_bridge.modeling.thd import thd_params
 
     _, lens, (cu, n_audio), tokens, pos, _ = mb
-    psp = thd_params(cu, tokens.device, max(lens), defer_copy=True)  # the thinker copies them (thd.py)
+    if psp is None:
+        psp = thd_params(cu, tokens.device, max(lens), defer_copy=True)  # the thinker copies them (thd.py)
     hidden = model(tokens, pos, psp, audio_token_count=n_audio)  # [T, 1, h]
     return _rms_norm(hidden.squeeze(1), norm_w)  # a view (``hidden[:, 0]``'s backward zero-fills and copies)
 
@@ -120,7 +142,7 @@ def probe_losses(model, spec, ids: list, probe, norm_w, device) -> dict:
 
 def run_ours(model, spec, ids: list, probe, norm_w, device, warmup: int, iters: int, profile_path=None,
              capture_counts: bool = False, groups: list[list[int]] | None = None, barrier=None,
-             keep_step: bool = False, diagnose: bool = False) -> dict:
+             keep_step: bool = False, diagnose: bool = False, graph: bool = False) -> dict:
     """fwd+bwd of the packed batch (``groups``: micro-batches of sample indices, grads accumulated).
 
     Every rank of an EP run must call this with the same arguments apart from the data (same
@@ -128,7 +150,9 @@ def run_ours(model, spec, ids: list, probe, norm_w, device, warmup: int, iters: 
     ``barrier`` (a callable) lines the ranks up before the timed steps. ``keep_step``: the result's
     ``"step"`` is the step function (the kernel ceiling times it again, taking turns with its own).
     ``diagnose`` (CUDA, one rank): also ``step_s_gpu_bound`` and ``step_s_after_idle``
-    (:func:`~launch.bench._layers_timing.step_diagnostics`)."""
+    (:func:`~launch.bench._layers_timing.step_diagnostics`). ``graph`` (CUDA, inside
+    :func:`graph_stream`): the timed step is the replay of one CUDA graph of the whole step
+    (:func:`_graph_step`, whose checks against the eager step go into the result)."""
     import torch
 
     mbs = _micro_batches(spec, ids, probe, device, groups)
@@ -146,21 +170,31 @@ def run_ours(model, spec, ids: list, probe, norm_w, device, warmup: int, iters: 
             if isinstance(m, TorchGroupedMLP):
                 hooks.append(m.register_forward_pre_hook(hook))
 
-    def step(keep=False, trace=None):
-        # the gradients are dropped at the end of the step (below), not here: freeing them is host
-        # work, which here would sit in the prologue while the GPU waits (same for HF's systems)
-        outs = {}
-        for mb, pr in zip(mbs, probes_lo):
+    psps = None
+    if graph:
+        from model_bridge.modeling.thd import thd_params
+
+        psps = [thd_params(mb[2][0], device, max(mb[1])) for mb in mbs]
+
+    def body(outs=None, trace=None):
+        # fwd+bwd of every micro-batch, gradients accumulated; ``outs``: sample index -> its rows
+        for k, (mb, pr) in enumerate(zip(mbs, probes_lo)):
             grp, lens = mb[0], mb[1]
             a = _alloc_gib(device) if trace is not None else None
-            out = _forward_mb(model, mb, norm_w)
+            out = _forward_mb(model, mb, norm_w, None if psps is None else psps[k])
             loss = bench_loss(out, pr)
             _backward(loss, device, trace, sum(lens), a)
-            if keep:
+            if outs is not None:
                 off = 0
                 for i, n in zip(grp, lens):
                     outs[i] = out[off:off + n].detach()
                     off += n
+
+    def step(keep=False, trace=None):
+        # the gradients are dropped at the end of the step (below), not here: freeing them is host
+        # work, which here would sit in the prologue while the GPU waits (same for HF's systems)
+        outs = {} if keep else None
+        body(outs, trace)
         model.zero_grad(set_to_none=True)
         norm_w.grad = None
         return torch.cat([outs[i] for i in range(len(ids))]) if keep else None
@@ -168,20 +202,83 @@ def run_ours(model, spec, ids: list, probe, norm_w, device, warmup: int, iters: 
     first = step(keep=True)
     for h in hooks:
         h.remove()
+    checks = {}
+    if graph:
+        step, checks = _graph_step(body, step, first, [*model.parameters(), norm_w], len(ids))
     if barrier is not None:
         barrier()
     host, pipelined = [], []
     times = _time_steps(step, device, warmup, iters, host_s=host, pipelined_s=pipelined)
     res = {"step_s": times, "host_issue_s": host, "step_s_pipelined": pipelined[0], "output": first, "expert_counts": counts,
-           "micro_batch_tokens": [sum(m[1]) for m in mbs], "peak_gib": _peak_gib(device)}
+           "micro_batch_tokens": [sum(m[1]) for m in mbs], "peak_gib": _peak_gib(device), **checks}
     if diagnose and device.type == "cuda":  # after the peak was read (same memory, but kept apart)
         res.update(step_diagnostics(step, device, iters, statistics.median(host)))
-    if device.type == "cuda":  # after the peak was read: this resets it
+    if device.type == "cuda" and not graph:  # after the peak was read: this resets it
         res["memory_trace"] = []
         step(trace=res["memory_trace"])
-    if profile_path is not None and device.type == "cuda":
+    if profile_path is not None and device.type == "cuda" and not graph:
         res["profile"] = _profile(step, profile_path)
         res["host_syncs"] = _count_syncs(step)
     if keep_step:
         res["step"] = step
     return res
+
+
+def _grads(params) -> list:
+    """The parameters' gradients as fp32 host copies (kept off the GPU: not in the peak memory)."""
+    import torch
+
+    return [None if p.grad is None else p.grad.detach().to("cpu", torch.float32) for p in params]
+
+
+def _max_rel_diff(a: list, b: list) -> float:
+    """Largest ``|x - y| / |y|`` (Frobenius norms) over pairs of gradients; inf where one is missing."""
+    worst = 0.0
+    for x, y in zip(a, b):
+        if (x is None) != (y is None):
+            return float("inf")
+        if x is not None:
+            worst = max(worst, ((x - y).norm() / y.norm().clamp_min(1e-30)).item())
+    return worst
+
+
+def _graph_step(body, eager_step, eager_out, params: list, n_samples: int):
+    """``(replay, checks)``: ``body`` (the whole step's fwd+bwd) captured once as a CUDA graph on
+    the current stream (:func:`graph_stream`), and what the replay was checked against:
+
+    * ``graph_output_equals_eager``: the replay's final hidden states equal the eager step's
+      (``eager_out``) bit for bit (the forward has no atomics: a replay that read a stale host
+      copy or a freed buffer would differ);
+    * ``graph_grad_rel_diff_vs_eager``: the replay's gradients against an eager step's (largest
+      relative difference over the parameters), next to ``eager_grad_rel_diff_run_to_run``, two
+      eager steps against each other (the backward's atomics: flash attention's dq, the
+      probabilities' index_add).
+
+    The gradients stay in the graph's memory: the first micro-batch's backward writes them, the
+    later ones add to them, every replay the same (nothing may set them to None in between).
+    ``replay(keep=False, trace=None)`` takes ``step``'s arguments and ignores them."""
+    import torch
+
+    ref = []
+    for _ in range(2):  # two eager steps' gradients: the run-to-run spread
+        body()
+        ref.append(_grads(params))
+        eager_step()  # drops the gradients (and warms up once more)
+    static = {}
+    # the peak from here on: what the captured step holds (weights, gradients, its activations in
+    # the graph's memory pool), as the eager systems' peak is what their step holds
+    torch.cuda.reset_peak_memory_stats()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g, stream=torch.cuda.current_stream()):
+        body(static)
+    g.replay()
+    torch.cuda.current_stream().synchronize()
+    out = torch.cat([static[i] for i in range(n_samples)])
+    checks = {"graph_output_equals_eager": bool(torch.equal(out, eager_out)),
+              "graph_grad_rel_diff_vs_eager": _max_rel_diff(_grads(params), ref[0]),
+              "eager_grad_rel_diff_run_to_run": _max_rel_diff(ref[1], ref[0])}
+
+    def replay(keep=False, trace=None):
+        g.replay()
+
+    return replay, checks

@@ -11,7 +11,8 @@ from launch.bench._layers_ceiling import kernel_ceiling
 from launch.bench._layers_geometry import (_DTYPES, _base_lengths, geometry, make_batch, omni_config, pack_by_budget,
                                            rank_lengths, useful_flops)
 from launch.bench._layers_hf import build_hf, hf_state_as_checkpoint, run_hf
-from launch.bench._layers_ours import OUR_SYSTEMS, build_megatron, probe_losses, qk_norm_rope_env, run_ours
+from launch.bench._layers_ours import (OUR_SYSTEMS, build_megatron, graph_stream, probe_losses, qk_norm_rope_env,
+                                      run_ours)
 from launch.bench._layers_report import _ratios
 from launch.bench._layers_timing import _env, _mem_reset
 
@@ -135,10 +136,16 @@ def _rank_run(out: Path, layers, tokens, ep, tiny, systems, warmup, iters, seed,
             del r  # its GPU output must not count in the next system's peak
     del hf
     counts = None
-    for name, (backend, mb, recompute, qk_norm_rope) in OUR_SYSTEMS.items():
+    for name, (backend, mb, recompute, qk_norm_rope, graph) in OUR_SYSTEMS.items():
         if name not in systems or (ep > 1 and name != "ours"):
             continue
+        if graph and device.type != "cuda":
+            log(f"{name}: skipped (a CUDA graph needs a GPU)")
+            continue
         budget = mb_tokens if mb else None
+        stream = contextlib.ExitStack()  # a graph system's model lives on its own stream (graph_stream)
+        if graph:
+            stream.enter_context(graph_stream(device))
         with armed(f"build {name}"):
             _mem_reset(device)
             model = build_megatron(spec, ep, backend, dtype, device, tensors, recompute=recompute)
@@ -155,7 +162,7 @@ def _rank_run(out: Path, layers, tokens, ep, tiny, systems, warmup, iters, seed,
             r = run_ours(model, spec, ids, probe, norm_w, device, warmup if backend == "torch" else 1, n_it,
                          profile_path=profile, capture_counts=(name == "ours"), groups=pack_by_budget(lengths, budget),
                          barrier=dist.barrier if ep > 1 else None, keep_step=(name == "ours"),
-                         diagnose=(ep == 1 and backend == "torch"))
+                         diagnose=(ep == 1 and backend == "torch"), graph=graph)
         paired = r.pop("step", None)
         if name == "ours" and ceiling and dist.get_world_size() == 1 and device.type == "cuda":
             # right after ours (its step takes turns with the ceiling step: the same GPU state)
@@ -177,6 +184,9 @@ def _rank_run(out: Path, layers, tokens, ep, tiny, systems, warmup, iters, seed,
         for key in ("step_s_gpu_bound", "step_s_after_idle"):  # where the step's time goes (step_diagnostics)
             if r.get(key):
                 extra[f"{key}_median"] = statistics.median(r[key])
+        for key in ("graph_output_equals_eager", "graph_grad_rel_diff_vs_eager", "eager_grad_rel_diff_run_to_run"):
+            if key in r:  # the graph's replay checked against the eager step (_layers_ours._graph_step)
+                extra[key] = r[key]
         if hf_out is not None:
             ref = hf_out.float()
             extra["rel_diff_vs_hf_bs1"] = ((r["output"].cpu().float() - ref).norm() / ref.norm()).item()
@@ -205,6 +215,7 @@ def _rank_run(out: Path, layers, tokens, ep, tiny, systems, warmup, iters, seed,
             + (f", after idle {extra['step_s_after_idle_median'] * 1e3:.1f} ms" if extra.get("step_s_after_idle_median") else "")
             + (f", host syncs/step {extra['host_syncs_per_step']['total']}" if extra.get("host_syncs_per_step") else ""))
         del model, r
+        stream.close()
     _mem_reset(device)
     if ceiling and counts and dist.get_world_size() == 1 and device.type != "cuda":
         res["kernel_ceiling"] = kernel_ceiling(g, lengths, counts, device, dtype)  # says why there is none

@@ -49,8 +49,8 @@ def _plot(res: dict, path: Path) -> None:
     if plt is None:
         return
     s = res["systems"]
-    order = ("ours", "ours_rc", "ours_sepqkn", "ours_mb", "ours_mb_rc", "ours_mb_sepqkn", "ours_full_rc", "hf_bs1", "hf_bs4",
-             "mcore_local")
+    order = ("ours", "ours_graph", "ours_rc", "ours_sepqkn", "ours_mb", "ours_mb_graph", "ours_mb_rc", "ours_mb_sepqkn",
+             "ours_full_rc", "hf_bs1", "hf_bs4", "mcore_local")
     names = [n for n in order if n in s] + [n for n in s if n not in order]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     axes[0].bar(names, [s[n]["tok_per_s"] / 1e3 for n in names], color="tab:blue")
@@ -126,6 +126,10 @@ def _print_table(res: dict) -> None:
         print(f"{n:<{w}} {v['tok_per_s']:>10.0f} {v['useful_tflops']:>9.1f} {v['step_s_median'] * 1e3:>9.1f} "
               f"{ms(v, 'step_s_pipelined'):>9} {ms(v, 'step_s_gpu_bound_median'):>9} "
               f"{ms(v, 'step_s_after_idle_median'):>9} {pk:>9}")
+    for n, v in s.items():
+        if "graph_output_equals_eager" in v:
+            print(f"{n}: replay's output equals eager's bit for bit: {v['graph_output_equals_eager']}; gradients vs "
+                  f"eager {v['graph_grad_rel_diff_vs_eager']:.2e} (eager vs eager {v['eager_grad_rel_diff_run_to_run']:.2e})")
     kc = res.get("kernel_ceiling", {})
     if "total_s" in kc:
         print(f"{'ceiling':<{w}} {kc['tok_per_s']:>10.0f} {kc['useful_tflops']:>9.1f} {kc['total_s'] * 1e3:>9.1f}")

@@ -13,6 +13,14 @@ What runs (one process, one GPU; all systems get the same weights and the same t
 * **ours_sepqkn**, **ours_mb_sepqkn**: ``ours`` / ``ours_mb`` with the q/k RMSNorms run as separate
   kernels (``MGRPO_TRITON_QK_NORM_ROPE=0`` while they run; every other ``ours*`` fuses them into the
   RoPE kernel, ``modeling/rope.py``);
+* **ours_graph**, **ours_mb_graph**: ``ours`` / ``ours_mb`` with the whole step (every
+  micro-batch's forward and backward) captured once as one CUDA graph and replayed (CUDA only;
+  ``_layers_ours._graph_step``): the same kernels with no host work between them, which the step
+  allows because it makes no host sync and has no shape the host must read. What the host's
+  Python costs per step is ``ours_mb`` minus ``ours_mb_graph``. ``mgrpo train`` does not capture
+  graphs (yet). Checked in the run: the replay's output equals the eager step's bit for bit, and
+  its gradients are as close to an eager step's as two eager steps are to each other (JSON
+  ``graph_output_equals_eager``, ``graph_grad_rel_diff_vs_eager``, ``eager_grad_rel_diff_run_to_run``);
 * **hf_bs1**: transformers' ``Qwen3OmniMoeThinkerTextModel`` (sdpa attention, ``grouped_mm``
   experts), one sample at a time (what users with batch size 1 run), gradients accumulated;
 * **hf_bs4**: the same model on right-padded batches of 4 samples (in batch order);
@@ -196,8 +204,9 @@ def add_parser(bsub) -> argparse.ArgumentParser:
     s.add_argument("--out", default="bench_results/layers", help="results directory (JSON, PNG, profile)")
     s.add_argument("--systems", default="ours,ours_mb,hf_bs1,hf_bs4,mcore_local",
                    help="comma-separated subset of ours,ours_rc,ours_mb,ours_mb_rc,ours_full_rc,ours_sepqkn,"
-                        "ours_mb_sepqkn,hf_bs1,hf_bs4,mcore_local (_rc: recompute the experts' activations, "
-                        "_full_rc: megatron's full recomputation, _sepqkn: q/k RMSNorms not fused into the RoPE)")
+                        "ours_mb_sepqkn,ours_graph,ours_mb_graph,hf_bs1,hf_bs4,mcore_local (_rc: recompute the "
+                        "experts' activations, _full_rc: megatron's full recomputation, _sepqkn: q/k RMSNorms not "
+                        "fused into the RoPE, _graph: the whole step replayed as one CUDA graph, GPU only)")
     s.add_argument("--mb-tokens", type=int, default=4096,
                    help="token budget of the micro-batches of ours_mb (same batch, packed into several "
                         "micro-batches with gradient accumulation: memory vs throughput)")

@@ -37,7 +37,7 @@ for step in ${STEPS[@]}; do
            echo "== tests: pytest -m gpu $(echo $files | wc -w) files"
            timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider -rs $files 2>&1 | tee "$OUT/gpu_tests.log" \
              | grep -v "warn\|^  \|^$" | tail -25 || rc=1 ;;
-    layers2) bench layers2 300 layers --layers 2 --systems ours,ours_sepqkn,ours_mb,ours_mb_rc,hf_bs1,hf_bs4 --out "$OUT/layers2" || rc=1 ;;
+    layers2) bench layers2 300 layers --layers 2 --systems ours,ours_graph,ours_sepqkn,ours_mb,ours_mb_graph,ours_mb_rc,hf_bs1,hf_bs4 --out "$OUT/layers2" || rc=1 ;;
     layers4) bench layers4 300 layers --layers 4 --systems ours,ours_mb_rc,hf_bs1 --out "$OUT/layers4" || rc=1 ;;
     layers8) bench layers8 300 layers --layers 8 --systems ours --out "$OUT/layers8" || rc=1 ;;
     mb3072) bench mb3072 200 layers --layers 2 --systems ours_mb,ours_mb_rc,hf_bs1 --mb-tokens 3072 --out "$OUT/mb3072" || rc=1 ;;

@@ -57,6 +57,29 @@ def test_ceiling_step_alternates_with_ours(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graph_systems_replay_the_eager_step(tmp_path):
+    """``ours_graph`` / ``ours_mb_graph`` capture the whole step (micro-batches accumulating
+    gradients) as one CUDA graph: the replay's output equals the eager step's bit for bit, its
+    gradients are as close to an eager step's as two eager steps are to each other, and the
+    replay's host time is a fraction of the eager step's (one graph launch, not ~1,000 kernels)."""
+    out = tmp_path / "g"
+    cmd = [sys.executable, "-m", "launch.bench.layers", "--tiny", "--layers", "2", "--systems",
+           "ours_mb,ours_graph,ours_mb_graph", "--mb-tokens", "128", "--warmup", "1", "--iters", "3",
+           "--out", str(out)]
+    p = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True,
+                       timeout=400)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
+    s = json.loads((out / "bench_layers.json").read_text())["systems"]
+    assert len(s["ours_mb_graph"]["micro_batch_tokens"]) > 1  # gradients accumulate inside the graph
+    for name in ("ours_graph", "ours_mb_graph"):
+        v = s[name]
+        assert v["graph_output_equals_eager"] is True, name
+        assert v["graph_grad_rel_diff_vs_eager"] <= max(4 * v["eager_grad_rel_diff_run_to_run"], 1e-3), v
+    assert s["ours_mb_graph"]["host_issue_s_median"] < 0.25 * s["ours_mb"]["host_issue_s_median"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_bound_time_needs_a_step_the_host_can_queue_ahead():
     """``step_s_gpu_bound`` is measured only where the host queues the whole step before the GPU
     starts it: a step that reads a result back (a host sync) gets None, one that does not gets
