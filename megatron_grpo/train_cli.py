@@ -48,7 +48,10 @@ def _load(args):
     if args.resume:
         saved = Path(args.resume) / "config.json"
         if not saved.is_file():
-            raise SystemExit(f"mgrpo train: --resume {args.resume}: no config.json there (not a run dir)")
+            what = "does not exist" if not Path(args.resume).exists() else "has no config.json (not a run dir)"
+            raise ConfigKeyError(f"--resume {args.resume} {what}: pass the trainer.run_dir of an earlier "
+                                 "`mgrpo train` (it holds config.json and checkpoints/), or start a new run "
+                                 "with --config")
         base = json.loads(saved.read_text())
         base.setdefault("trainer", {})["run_dir"] = str(args.resume)
         return load_config(TrainConfig, None, overrides, base=base)

@@ -25,9 +25,14 @@ fi
 t0=$(date +%s)
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 PIP="$VENV/bin/python -m pip"
-pip_() {  # a machine's pip.conf may list find-links folders that do not exist: pip then warns once per
-  # package looked up (hundreds of lines that are not about this install); the rest of its output stays
-  $PIP "$@" 2>&1 | { grep -v "is ignored: it is neither a file nor a directory" || true; }
+pip_() {  # pip's output less two kinds of noise that are not about this install: a machine's pip.conf
+  # may list find-links folders that do not exist (pip then warns once per package looked up: hundreds
+  # of lines), and setuptools' editable build prints a 10-line "BuildBackendWarning: Editable
+  # installation" box (its indented lines are dropped, at most 10, so nothing else can be swallowed)
+  $PIP "$@" 2>&1 | awk '/is ignored: it is neither a file nor a directory/ {next}
+    /BuildBackendWarning: Editable installation/ {box=10; next}
+    box > 0 && /^  / {box--; next}
+    {box=0; print; fflush()}'
 }
 echo "[install] installing into $VENV (about two minutes with a warm pip cache, longer on a cold one)"
 pip_ install -q --upgrade pip wheel setuptools

@@ -212,7 +212,7 @@ def add_parser(bsub) -> argparse.ArgumentParser:
                         "micro-batches with gradient accumulation: memory vs throughput)")
     s.add_argument("--warmup", type=int, default=2, help="untimed steps per system")
     s.add_argument("--iters", type=int, default=6, help="timed steps per system (median reported)")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=int, default=0, help="seed of the weights, token ids and sample order (default 0)")
     s.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     s.add_argument("--tiny", action="store_true", help="tiny geometry: a CPU smoke test of this script")
     s.add_argument("--dtype", default="bf16", choices=sorted(_DTYPES), help="weights and activations (default bf16)")

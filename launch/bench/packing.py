@@ -277,7 +277,7 @@ def add_parser(bsub) -> argparse.ArgumentParser:
                    help="padded batch sizes to compare (default 1,4,8)")
     s.add_argument("--pad-multiple", type=int, default=2,
                    help="our micro-batches' T rounds up to this (the TP size; default 2, the 30B recipe's TP)")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=int, default=0, help="seed of the sampled lengths (default 0)")
     s.set_defaults(func=_cmd)
     return s
 

@@ -260,7 +260,7 @@ def add_parser(bsub) -> argparse.ArgumentParser:
     s.add_argument("--experts", type=int, default=None, help="experts per layer (default: the geometry's)")
     s.add_argument("--backend", default="torch",
                    help="layer-spec backend of the model (default torch: grouped experts)")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     s.add_argument("--ep", type=int, default=1,
                    help="expert parallelism of the trainer (default 1: one trainer process); N > 1: N trainer "
                         "processes (cuda:0..N-1) + a receiver (cuda:N), modes direct (each EP rank sends its own "

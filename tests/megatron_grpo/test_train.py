@@ -64,6 +64,12 @@ def test_yaml_syntax_error_and_config_with_resume_are_one_line(tmp_path):
     assert r.stderr.strip().splitlines() == [
         f"mgrpo train: config error: --config {bad} with --resume {tmp_path}: a resumed run keeps its saved "
         f"config ({tmp_path / 'config.json'}); pass changes as KEY=VALUE overrides instead"]
+    fix = ("pass the trainer.run_dir of an earlier `mgrpo train` (it holds config.json and checkpoints/), or start "
+           "a new run with --config")
+    for where, what in ((tmp_path / "missing", "does not exist"), (tmp_path, "has no config.json (not a run dir)")):
+        r = _mgrpo("train", "--resume", str(where))
+        assert r.returncode == 2
+        assert r.stderr.strip().splitlines() == [f"mgrpo train: config error: --resume {where} {what}: {fix}"]
 
 
 def test_a_new_run_never_writes_over_checkpoints_and_resume_needs_one(tmp_path):
