@@ -204,7 +204,7 @@ def run_ours(model, spec, ids: list, probe, norm_w, device, warmup: int, iters: 
         h.remove()
     checks = {}
     if graph:
-        step, checks = _graph_step(body, step, first, [*model.parameters(), norm_w], len(ids))
+        step, checks = _graph_step(body, first, [*model.parameters(), norm_w], len(ids))
     if barrier is not None:
         barrier()
     host, pipelined = [], []
@@ -242,7 +242,7 @@ def _max_rel_diff(a: list, b: list) -> float:
     return worst
 
 
-def _graph_step(body, eager_step, eager_out, params: list, n_samples: int):
+def _graph_step(body, eager_out, params: list, n_samples: int):
     """``(replay, checks)``: ``body`` (the whole step's fwd+bwd) captured once as a CUDA graph on
     the current stream (:func:`graph_stream`), and what the replay was checked against:
 
@@ -260,10 +260,11 @@ def _graph_step(body, eager_step, eager_out, params: list, n_samples: int):
     import torch
 
     ref = []
-    for _ in range(2):  # two eager steps' gradients: the run-to-run spread
+    for _ in range(2):  # two eager steps' gradients: the run-to-run spread (and the capture's warm-up)
         body()
         ref.append(_grads(params))
-        eager_step()  # drops the gradients (and warms up once more)
+        for p in params:  # the capture starts with no gradients: its first backward writes them
+            p.grad = None
     static = {}
     # the peak from here on: what the captured step holds (weights, gradients, its activations in
     # the graph's memory pool), as the eager systems' peak is what their step holds
