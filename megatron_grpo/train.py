@@ -108,6 +108,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
     from megatron_grpo.packing import PackingConfig, plan_step, round_up
     from megatron_grpo.run.embedded import ensure_embedded_inputs
     from megatron_grpo.run.rollout_side import open_feed, open_side
+    from megatron_grpo.run.trajlog import TrajectoryLog
     from model_bridge.config import ParallelLayout
     from model_bridge.parallel import destroy_parallel, init_parallel
 
@@ -147,6 +148,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
                               fused_lm_head=cfg.trainer.fused_lm_head)
         logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, plot=cfg.logging.plot) if rank == 0 else None
         feed = open_feed(cfg, side, data, rank)  # rollout.server replay: a recording's steps, no server, no push
+        kept = TrajectoryLog(cfg, run_dir, rank)  # trainer logprobs beside recordings, logging.trajectories
 
         start = 0
         if resume:
@@ -188,8 +190,12 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
                     mbs = build_train_microbatches(trajs, plan, dp_rank, packing, feature_extractor=features,
                                                    n_window=engine.spec.audio.n_window)
                     check_schedule(StepSchedule.from_microbatches(step, mbs))
+                    lps = {} if kept.wants(step) else None
                     with wd.collective("train_step"):                           # 4. train
-                        train_metrics = train_step(engine, mbs, step_cfg, step=step)
+                        train_metrics = train_step(engine, mbs, step_cfg, step=step, logprobs_out=lps)
+                    if lps is not None:
+                        with wd.collective("keep_trajectories"):
+                            kept.keep(step, trajs, lps)
                     train_metrics["padding_fraction"] = plan.padding_fraction
                     if torch.cuda.is_available():
                         train_metrics["memory/peak_gib"] = peak_memory_gib()  # max over ranks

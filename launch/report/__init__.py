@@ -1,0 +1,7 @@
+"""`mgrpo report RUN_DIR`: a run's recorded trajectories as static web pages to read and listen to.
+
+``load.py`` finds and reads what the run recorded (``rollout.record_dir``, ``logging.trajectories``,
+metrics.jsonl), ``tokens.py`` turns token ids into text pieces, ``audio.py`` writes each clip once,
+``pages.py`` writes the HTML (index + one page per step, no server, no external assets),
+``cli.py`` is the subcommand. The recording format is ``megatron_grpo/run/replay.py``'s.
+"""
