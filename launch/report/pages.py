@@ -24,6 +24,8 @@ th:first-child,td:first-child{text-align:left}
 .s{border-top:1px dashed #bbc;margin-top:.5em;padding-top:.4em}
 .h{margin-bottom:.2em}.num{font-variant-numeric:tabular-nums;font-weight:600}
 .terms{font-size:.9em}
+#metrics{display:block}#metrics tbody{display:grid;grid-template-columns:repeat(auto-fill,minmax(240px,1fr));column-gap:2em}
+#metrics tr{display:flex;justify-content:space-between}
 .conv{white-space:pre-wrap;font:13px/1.5 ui-monospace,monospace;word-break:break-word}
 .ctx,.gen{padding:.2em .4em;margin:.2em 0;border-radius:4px}.ctx{background:#f1f1f1}.gen{background:#eef7ee}
 .lab{font:11px system-ui,sans-serif;color:#667;text-transform:uppercase;letter-spacing:.04em}
