@@ -6,8 +6,10 @@ written by the production recorder (``megatron_grpo.run.replay.Recorder``, train
 recording, each sample a ``crop_audio`` tool call, a 5 s crop in its tool result and an answer of
 ``--gen-tokens`` generated tokens (text drawn from a word list, tokenised by the tiny checkpoint's
 tokenizer; logprobs seeded random, the trainer's a little off). Then the step page is built
-(``launch.report.render.build_report``, timed in-process) and loaded in headless Chromium
-(``chromium --dump-dom``, timed as a whole: browser start included).
+(``launch.report.render.build_report``, timed in-process: wall and CPU seconds, the clips written
+by its two threads included) and loaded in headless Chromium (``chromium --dump-dom``, timed as a
+whole, browser start included: wall and the CPU seconds of its processes). The machine's load
+average is recorded beside them: on a shared machine the CPU seconds are the comparable numbers.
 
 Outputs under ``--out``: ``bench_report.json`` (build seconds, Chromium load seconds, page bytes,
 tokens, clips written) and the report itself under ``report/``.
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -100,17 +104,25 @@ def run_bench(args) -> dict:
     log.close()
 
     report = out / "report"
+    load_before = os.getloadavg()[0]
+    cpu0 = time.process_time()
     r = build_report(run, out=report)
+    build_cpu = time.process_time() - cpu0
     page = report / "step_000001.html"
+    kids0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     chrome = subprocess.run([args.chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
                              "--disable-background-networking", "--disable-component-update", "--disable-sync",
                              f"--user-data-dir={out / 'chromium-profile'}", "--dump-dom", page.resolve().as_uri()],
                             capture_output=True, text=True, timeout=600)
     load_s = time.perf_counter() - t0
+    kids1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    chrome_cpu = (kids1.ru_utime + kids1.ru_stime) - (kids0.ru_utime + kids0.ru_stime)
     result = {"samples": len(trajs), "groups": len({t.group_id for t in trajs}),
               "tokens": sum(t.num_tokens for t in trajs), "generated_tokens": sum(t.num_generated for t in trajs),
-              "build_s": round(r["seconds"], 3), "chromium_dump_dom_s": round(load_s, 3),
+              "build_s": round(r["seconds"], 3), "build_cpu_s": round(build_cpu, 3),
+              "chromium_dump_dom_s": round(load_s, 3), "chromium_cpu_s": round(chrome_cpu, 3),
+              "loadavg_1min_before": round(load_before, 2), "cpus": os.cpu_count(),
               "chromium_ok": chrome.returncode == 0 and "data-sample" in chrome.stdout,
               "page_bytes": page.stat().st_size, "clips_written": r["clips_written"],
               "time": time.strftime("%Y-%m-%d %H:%M:%S"), "argv": sys.argv}
@@ -121,8 +133,10 @@ def run_bench(args) -> dict:
 def _cmd(args) -> int:
     r = run_bench(args)
     print(f"bench report: {r['samples']} samples ({r['tokens']} tokens, {r['generated_tokens']} generated): page "
-          f"built in {r['build_s']:.2f} s ({r['page_bytes'] / 2**20:.1f} MiB, {r['clips_written']} clips), loaded "
-          f"by chromium --dump-dom in {r['chromium_dump_dom_s']:.2f} s -> {Path(args.out) / 'bench_report.json'}")
+          f"built in {r['build_s']:.2f} s ({r['build_cpu_s']:.2f} s CPU; {r['page_bytes'] / 2**20:.1f} MiB, "
+          f"{r['clips_written']} clips), loaded by chromium --dump-dom in {r['chromium_dump_dom_s']:.2f} s "
+          f"({r['chromium_cpu_s']:.2f} s CPU, browser start included; load average {r['loadavg_1min_before']:.1f} on "
+          f"{r['cpus']} CPUs) -> {Path(args.out) / 'bench_report.json'}")
     return 0 if r["chromium_ok"] else 1
 
 

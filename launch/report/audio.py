@@ -12,24 +12,37 @@ AUDIO_DIR = "audio"
 
 
 class ClipWriter:
-    """``path_of(clip)`` -> the clip's WAV path relative to the report dir (16-bit PCM, 16 kHz)."""
+    """``add(clip)`` -> the clip's WAV path relative to the report dir (16-bit PCM) and its seconds;
+    the files are written by two threads while the pages are built (``close`` waits for them)."""
 
     def __init__(self, out_dir: Path, sampling_rate: int = 16000):
+        from concurrent.futures import ThreadPoolExecutor
+
         self.out = Path(out_dir)
         self.rate = int(sampling_rate)
         (self.out / AUDIO_DIR).mkdir(parents=True, exist_ok=True)
         self.written = 0
+        self.pool = ThreadPoolExecutor(2, thread_name_prefix="wav")
+        self.pending: dict[str, object] = {}
 
     def add(self, clip) -> tuple[str, float]:
-        """(relative path, seconds) of ``clip`` (a float32 tensor or array), written if new."""
         a = np.ascontiguousarray(np.asarray(clip, dtype=np.float32).reshape(-1))
         name = f"{AUDIO_DIR}/{hashlib.sha1(a.tobytes()).hexdigest()[:20]}.wav"
-        path = self.out / name
-        if not path.is_file():
-            import soundfile as sf
-
-            tmp = path.with_name(f".{path.name}.tmp")
-            sf.write(str(tmp), np.clip(a, -1.0, 1.0), self.rate, subtype="PCM_16", format="WAV")
-            tmp.replace(path)
+        if name not in self.pending and not (self.out / name).is_file():
+            self.pending[name] = self.pool.submit(self._write, self.out / name, a)
             self.written += 1
         return name, a.size / self.rate
+
+    def _write(self, path: Path, a: np.ndarray) -> None:
+        import soundfile as sf
+
+        tmp = path.with_name(f".{path.name}.tmp")
+        sf.write(str(tmp), np.clip(a, -1.0, 1.0), self.rate, subtype="PCM_16", format="WAV")
+        tmp.replace(path)
+
+    def close(self) -> None:
+        """Wait for every write; the first failure raises."""
+        self.pool.shutdown(wait=True)
+        for f in self.pending.values():
+            f.result()
+        self.pending.clear()

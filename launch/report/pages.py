@@ -11,7 +11,7 @@ from html import escape
 
 import numpy as np
 
-from .conversation import SHADES, conversation_html, segments
+from .conversation import SHADES, TITLED, conversation_html, segments
 
 CSS = """
 body{font:14px/1.45 system-ui,sans-serif;margin:1.2em 2em;color:#1b1b1b;background:#fff}
@@ -20,7 +20,7 @@ nav{margin-bottom:.6em}nav a{margin-right:1em}
 table{border-collapse:collapse;margin:.4em 0}td,th{padding:1px 8px;text-align:right;border-bottom:1px solid #eee}
 th:first-child,td:first-child{text-align:left}
 .charts{display:flex;flex-wrap:wrap;gap:1em}.charts figure{margin:0}figcaption{font-size:.9em;color:#555}
-.g{border:1px solid #ccd;border-radius:6px;margin:1em 0;padding:.4em .8em;background:#fafbff}
+.g{border:1px solid #ccd;border-radius:6px;margin:1em 0;padding:.4em .8em;background:#fafbff;content-visibility:auto;contain-intrinsic-size:auto 3000px}
 .s{border-top:1px dashed #bbc;margin-top:.5em;padding-top:.4em}
 .h{margin-bottom:.2em}.num{font-variant-numeric:tabular-nums;font-weight:600}
 .terms{font-size:.9em}
@@ -133,7 +133,7 @@ def _legend() -> str:
     edges = list(SHADES) + [math.inf]
     parts = [f'<span class="d{k + 1}">≥ {edges[k]:g}</span>' for k in range(len(SHADES))]
     return ('<p class="legend">Generated tokens are shaded by |rollout − trainer| logprob (nats): '
-            + "".join(parts) + " (hover a shaded piece for both).</p>")
+            + "".join(parts) + f" (hover a piece from ≥ {SHADES[TITLED - 1]:g} for both).</p>")
 
 
 def _first_generated(mask) -> int:

@@ -44,6 +44,18 @@ def _nav(steps: list[int], k: int) -> str:
     return "".join(parts)
 
 
+def _step_pages(inputs, chosen: list[int], detok, audio_id: int, clips_out: ClipWriter, out_dir: Path,
+                pages: dict) -> None:
+    for k, s in enumerate(chosen):
+        rec = inputs.recordings[s]
+        payload = load_step(rec, s)
+        clips = [clips_out.add(c) for c in payload["clips"]]
+        source = f"{rec.dir} ({'rollout.record_dir' if rec.kind == 'record_dir' else 'logging.trajectories'})"
+        html = step_html(s, payload, inputs.metrics.get(s, {}), detok, audio_id, clips, _nav(chosen, k), source)
+        _write(out_dir / step_file(s), html)
+        pages[s] = step_file(s)
+
+
 def build_report(run_dir, out: Optional[str] = None, steps: Optional[str] = None,
                  tokenizer: Optional[str] = None) -> dict:
     """Write ``out`` (default ``<run_dir>/report``): ``index.html``, one page per chosen step,
@@ -61,15 +73,11 @@ def build_report(run_dir, out: Optional[str] = None, steps: Optional[str] = None
     out_dir = Path(out) if out else inputs.run_dir / "report"
     out_dir.mkdir(parents=True, exist_ok=True)
     clips_out = ClipWriter(out_dir, (first.manifest.get("audio") or {}).get("sampling_rate", 16000))
-    pages = {}
-    for k, s in enumerate(chosen):
-        rec = inputs.recordings[s]
-        payload = load_step(rec, s)
-        clips = [clips_out.add(c) for c in payload["clips"]]
-        source = f"{rec.dir} ({'rollout.record_dir' if rec.kind == 'record_dir' else 'logging.trajectories'})"
-        html = step_html(s, payload, inputs.metrics.get(s, {}), detok, int(audio_id), clips, _nav(chosen, k), source)
-        _write(out_dir / step_file(s), html)
-        pages[s] = step_file(s)
+    pages: dict[int, str] = {}
+    try:
+        _step_pages(inputs, chosen, detok, int(audio_id), clips_out, out_dir, pages)
+    finally:
+        clips_out.close()
     note = (f"{inputs.run_dir} · model {first.manifest.get('model_dir')} · {len(pages)} step pages · "
             f"{len(inputs.metrics)} metrics.jsonl rows")
     _write(out_dir / "index.html", index_html(inputs.run_dir.name, inputs.metrics, pages, note))

@@ -8,6 +8,7 @@ Ids are decoded once each and cached.
 from __future__ import annotations
 
 from functools import lru_cache
+from html import escape
 from pathlib import Path
 
 MAX_PENDING_BYTES = 8
@@ -42,8 +43,8 @@ def load_tokenizer(model_dir):
 
 
 class Detokenizer:
-    """``pieces(ids)`` -> [(start, end, text, is_added)] covering ``ids`` in order; ``tokenizer``: a
-    `tokenizers.Tokenizer` or a transformers tokenizer."""
+    """``pieces(ids)`` -> [(start, end, text, is_added)] covering ``ids`` in order, the text
+    HTML-escaped; ``tokenizer``: a `tokenizers.Tokenizer` or a transformers tokenizer."""
 
     def __init__(self, tokenizer):
         self.tok = tokenizer
@@ -55,6 +56,8 @@ class Detokenizer:
             self.added |= set(int(i) for i in getattr(tokenizer, "all_special_ids", []) or [])
             self._piece = tokenizer.convert_ids_to_tokens
         self.cache: dict[int, bytes] = {}
+        self.html: dict[int, str] = {}
+        """id -> its escaped text, for a token that is a whole piece (most are)."""
 
     def token_id(self, text: str):
         f = getattr(self.tok, "token_to_id", None) or self.tok.convert_tokens_to_ids
@@ -74,23 +77,35 @@ class Detokenizer:
 
     def pieces(self, ids) -> list[tuple[int, int, str, bool]]:
         out, buf, start = [], b"", 0
+        added, html = self.added, self.html
         for k, i in enumerate(ids):
             i = int(i)
-            if i in self.added:
+            if not buf:
+                t = html.get(i)
+                if t is not None:  # a token known to be a whole piece
+                    out.append((k, k + 1, t, i in added))
+                    start = k + 1
+                    continue
+            if i in added:
                 if buf:
-                    out.append((start, k, buf.decode("utf-8", "replace"), False))
-                out.append((k, k + 1, self.token_bytes(i).decode("utf-8", "replace"), True))
+                    out.append((start, k, escape(buf.decode("utf-8", "replace")), False))
+                t = html[i] = escape(self.token_bytes(i).decode("utf-8", "replace"))
+                out.append((k, k + 1, t, True))
                 buf, start = b"", k + 1
                 continue
-            buf += self.token_bytes(i)
+            b = self.token_bytes(i)
+            buf += b
             try:
                 text = buf.decode("utf-8")
             except UnicodeDecodeError:
                 if len(buf) < MAX_PENDING_BYTES:
                     continue
                 text = buf.decode("utf-8", "replace")
-            out.append((start, k + 1, text, False))
+            t = escape(text)
+            if start == k:
+                html[i] = t
+            out.append((start, k + 1, t, False))
             buf, start = b"", k + 1
         if buf:
-            out.append((start, len(ids), buf.decode("utf-8", "replace"), False))
+            out.append((start, len(ids), escape(buf.decode("utf-8", "replace")), False))
         return out
