@@ -18,7 +18,7 @@ import torch
 
 from launch.report.conversation import SHADES, TITLED
 from launch.report.pages import fmt
-from megatron_grpo.cli import main
+from launch.cli import main
 
 from report_fixture import record_run
 
