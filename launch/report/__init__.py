@@ -2,6 +2,8 @@
 
 ``load.py`` finds and reads what the run recorded (``rollout.record_dir``, ``logging.trajectories``,
 metrics.jsonl), ``tokens.py`` turns token ids into text pieces, ``audio.py`` writes each clip once,
-``pages.py`` writes the HTML (index + one page per step, no server, no external assets),
-``cli.py`` is the subcommand. The recording format is ``megatron_grpo/run/replay.py``'s.
+``conversation.py`` renders one sample's turns, ``pages.py`` the index and step pages (no server, no
+external assets), ``render.py`` puts them together and ``cli.py`` is the subcommand. The recording
+format is ``megatron_grpo/run/replay.py``'s (``megatron_grpo/run/trajlog.py`` adds the trainer's
+logprobs).
 """

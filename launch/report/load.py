@@ -76,7 +76,10 @@ def find_inputs(run_dir) -> RunInputs:
     if not run.is_dir():
         raise ReportError(f"{run} does not exist: pass the trainer.run_dir of a `mgrpo train` run")
     cfg_path = run / "config.json"
-    config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    try:
+        config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ReportError(f"{cfg_path} is not JSON ({e}): pass the trainer.run_dir of a `mgrpo train` run") from None
     own = _manifest(run)
     if not config and own is None:
         raise ReportError(f"{run} has no config.json: not a run directory of `mgrpo train` (pass its "
@@ -101,8 +104,9 @@ def find_inputs(run_dir) -> RunInputs:
         for s in m["steps"]:
             recordings.setdefault(int(s), Recording(d, m, kind))
     if not recordings:
-        where = (f"rollout.record_dir {rd} has no recorded step" if rd is not None else
-                 f"no {light}/ and rollout.record_dir is unset in {cfg_path}")
+        where = (f"no {light}/ and rollout.record_dir is unset in {cfg_path}" if rd is None else
+                 f"rollout.record_dir {rd} from {cfg_path} does not exist" if not rd.is_dir() else
+                 f"rollout.record_dir {rd} has no {MANIFEST}")
         raise ReportError(f"{run} has no recorded trajectories ({where}): {RECORD_HINT}")
     metrics = {}
     if (run / "metrics.jsonl").is_file():

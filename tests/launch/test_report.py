@@ -220,6 +220,11 @@ def test_bad_inputs_are_one_line_naming_the_file_and_the_fix(recorded, tmp_path,
         f"mgrpo report: {run} has no recorded trajectories (no {run / 'trajectories'}/ and rollout.record_dir is "
         f"unset in {run / 'config.json'}): train with logging.trajectories.every=N (or rollout.record_dir=DIR) to "
         "record them")
+    (run / "config.json").write_text(json.dumps({"rollout": {"record_dir": str(tmp_path / "gone")}}))
+    assert _one_line_error(capsys, run) == (
+        f"mgrpo report: {run} has no recorded trajectories (rollout.record_dir {tmp_path / 'gone'} from "
+        f"{run / 'config.json'} does not exist): train with logging.trajectories.every=N (or "
+        "rollout.record_dir=DIR) to record them")
     assert _one_line_error(capsys, tmp_path / "nope") == (
         f"mgrpo report: {tmp_path / 'nope'} does not exist: pass the trainer.run_dir of a `mgrpo train` run")
     empty = tmp_path / "empty"
