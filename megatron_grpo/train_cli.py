@@ -123,6 +123,9 @@ _PREFLIGHT_DONE = "MGRPO_PREFLIGHT_DONE"
 
 
 def run_train(args: argparse.Namespace) -> int:
+    from megatron_grpo.lifeline import die_with_parent
+
+    die_with_parent()  # a rank spawned by `mgrpo train` ends with it, even on its SIGKILL
     quiet_known_notices()
     from megatron_grpo.configtree import ConfigKeyError
     from megatron_grpo.run.ranks import launched_externally, slurm_to_torch_env, spawn_ranks
@@ -152,7 +155,14 @@ def run_train(args: argparse.Namespace) -> int:
         os.environ["MASTER_PORT"] = str(_free_port())
     from megatron_grpo.train import PREEMPTED_MARKER, train
 
-    code = train(cfg, resume=bool(args.resume))
+    from megatron_grpo.run.failures import RolloutFailed
+
+    try:
+        code = train(cfg, resume=bool(args.resume))
+    except RolloutFailed as e:  # every rank gets it; rank 0 says it, once (the trace is in the run dir)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"mgrpo train: rollout error: {e}", file=sys.stderr, flush=True)
+        return 1
     run_dir = Path(cfg.trainer.run_dir)
     if code == 0 and os.environ.get("RANK", "0") == "0" and not (run_dir / PREEMPTED_MARKER).exists():
         from megatron_grpo.metrics import run_summary

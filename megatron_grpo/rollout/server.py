@@ -28,6 +28,8 @@ from pathlib import Path
 
 import requests
 
+from megatron_grpo.lifeline import guard_group, release
+
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 DEFAULT_WORKER_EXTENSION = "megatron_grpo.rollout.vllm_ext.WorkerExtension"
@@ -203,6 +205,7 @@ class VLLMServer:
         self.spec = spec
         self.log_path = Path(log_path)
         self.proc: subprocess.Popen | None = None
+        self._watcher: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
@@ -239,6 +242,9 @@ class VLLMServer:
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=self._env(), start_new_session=True)
         log.close()
+        # its own session keeps Ctrl-C to the trainer's terminal away from it; the watcher ends the
+        # group (the API process and its engine core) if this process dies without calling stop()
+        self._watcher = guard_group(self.proc.pid)
         try:
             return self._wait_healthy(timeout, progress)
         except BaseException:  # SIGTERM/Ctrl-C/an error while waiting: never leave the server behind
@@ -277,7 +283,9 @@ class VLLMServer:
     def stop(self, grace: float = 20.0) -> None:
         """SIGTERM the server's process group, SIGKILL what is left after `grace` seconds."""
         p, self.proc = self.proc, None
+        watcher, self._watcher = self._watcher, None
         if p is None or p.poll() is not None:
+            release(watcher)
             return
         pgid = os.getpgid(p.pid)
         os.killpg(pgid, signal.SIGTERM)
@@ -290,6 +298,7 @@ class VLLMServer:
         except ProcessLookupError:
             pass
         p.wait()
+        release(watcher)
 
     def __enter__(self) -> "VLLMServer":
         return self.start() if self.proc is None else self

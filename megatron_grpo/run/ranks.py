@@ -6,6 +6,8 @@ import socket
 import subprocess
 import sys
 
+from megatron_grpo.lifeline import child_env
+
 
 def launched_externally() -> bool:
     """True under torchrun / srun / an already-set torch.distributed environment."""
@@ -29,11 +31,12 @@ def _free_port() -> int:
 def spawn_ranks(nproc: int, argv: list[str], extra_env: dict[str, str] | None = None) -> int:
     """Run `python -m megatron_grpo.cli <argv>` as `nproc` ranks on this machine (``extra_env``
     added to each one's environment); returns the first non-zero exit code (a failing rank takes
-    the others down), else 0."""
+    the others down), else 0. The ranks die with this process, also on SIGKILL (they call
+    `megatron_grpo.lifeline.die_with_parent`); call this on the main thread."""
     port = _free_port()
     procs = []
     for rank in range(nproc):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
+        env = dict(child_env(), RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(extra_env or {}))
         if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
