@@ -19,10 +19,14 @@ def local_server_spec(cfg: TrainConfig):
     from megatron_grpo.rollout.server import ServerSpec
 
     s = cfg.serve
+    if s.max_model_len == "auto":  # the pre-flight sizes it (megatron_grpo/run/sizing.py)
+        raise ValueError("serve.max_model_len is auto but was not sized from the data: run through "
+                         "`mgrpo train`, or give it a number of tokens")
     return ServerSpec(model=cfg.model.hf_dir, served_model_name="policy", dtype=serve_dtype(cfg),
                       max_model_len=s.max_model_len, max_num_seqs=s.max_num_seqs,
                       seed=cfg.trainer.seed, max_audio_per_prompt=s.max_audio_per_prompt,
-                      cpu_kvcache_gib=s.cpu_kvcache_gib, extra_args=list(s.extra_args))
+                      cpu_kvcache_gib=s.cpu_kvcache_gib, max_audio_seconds=s.max_audio_seconds,
+                      extra_args=list(s.extra_args))
 
 
 def open_side(cfg: TrainConfig, run_dir: Path):
