@@ -133,18 +133,26 @@ def test_rows_that_cannot_fit_are_refused_before_start_up_one_line_each(tiny_ckp
 
 @pytest.mark.slow
 def test_20_and_40_minute_recordings_train(tmp_path):
-    """Seed-format rows with a 20- and a 40-minute mp3, data and server settings at their defaults
-    (serve.max_model_len auto, data.max_audio_seconds the model's 40 minutes): 2 steps of one
-    prompt each (two generations, short turns, one rank to keep it cheap): the 20-minute one first,
-    then the 40-minute one."""
+    """Seed-format rows with a 20- and a 40-minute mp3, the data and server settings at their
+    defaults (data.max_audio_seconds the model's 40 minutes, serve.max_model_len auto): 3 steps of
+    one prompt in file order (20, 40, then 20 minutes again), kept cheap with one rank, one
+    generation and short turns (CPU: ~1-2 min per step)."""
+    import re
+
     jsonl = seed_rows(tmp_path / "data", [long_recording(20), long_recording(40)])
     run = tmp_path / "run"
-    r = _mgrpo("train", f"data.train_jsonl={jsonl}", "data.shuffle=false", "trainer.steps=2",
-               "trainer.prompts_per_step=1", "rollout.num_generations=2", "rollout.max_new_tokens=32",
+    r = _mgrpo("train", f"data.train_jsonl={jsonl}", "data.shuffle=false", "trainer.steps=3",
+               "trainer.prompts_per_step=1", "rollout.num_generations=1", "rollout.max_new_tokens=32",
                "rollout.max_turns=2", "parallel.nproc=1", "parallel.tp=1", "checkpoint.every=0",
                "checkpoint.at_end=false", "logging.progress=false", f"trainer.run_dir={run}")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "[train] serve.max_model_len=auto: 31" in r.stdout  # the 40-minute prompt + 2 turns of 32
+    sized = re.search(r"serve\.max_model_len=auto: (\d+) tokens \(longest prompt (\d+) \+ 2 turns of 32\); "
+                      r"audio decode limit (\d+) s", r.stdout)
+    assert sized, r.stdout[-3000:]
+    size, longest, audio_s = map(int, sized.groups())
+    assert 31_200 < longest and longest + 64 <= size < longest + 64 + 256 and size <= 32768
+    assert audio_s >= 2400
     m = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [x["step"] for x in m] == [1, 2]
-    assert m[0]["tokens_total"] > 15_000 and m[1]["tokens_total"] > 31_000, [x["tokens_total"] for x in m]
+    assert [x["step"] for x in m] == [1, 2, 3]
+    tokens = [x["tokens_total"] for x in m]
+    assert 15_600 < tokens[0] < 17_000 and 31_200 < tokens[1] < 33_000 and 15_600 < tokens[2] < 17_000, tokens
