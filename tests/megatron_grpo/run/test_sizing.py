@@ -60,7 +60,7 @@ def seed_rows(out: Path, recordings: list[Path]) -> Path:
 
 def _mgrpo(*args, timeout=1800):
     env = dict(os.environ, MGRPO_CACHE=str(CACHE / "embedded"), HF_HUB_OFFLINE="1")
-    return subprocess.run([sys.executable, "-m", "megatron_grpo.cli", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 

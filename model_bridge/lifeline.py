@@ -2,10 +2,11 @@
 
 Two mechanisms, for two kinds of child:
 
-- `die_with_parent()`, called early in a child we spawned with `child_env()` (the trainer ranks):
-  the kernel sends the child SIGKILL when its parent exits (Linux ``PR_SET_PDEATHSIG``). The
-  signal fires when the parent *thread* that forked the child exits, so the spawn must happen on
-  a thread that lives as long as the parent (the main thread, as `spawn_ranks` does).
+- `die_with_parent()`, called early in a child started with `child_env()` / `PARENT_ENV` set (the
+  ranks of `model_bridge.spawn.run_ranks`, so `mgrpo train`'s trainer ranks): the kernel sends the
+  child SIGKILL when its parent exits (Linux ``PR_SET_PDEATHSIG``). The signal fires when the
+  parent *thread* that started the child exits, so start it on a thread that lives as long as the
+  parent (the main thread, as `mgrpo train` does).
 - `guard_group(pgid)` for a child in its own process group (the vLLM server and its engine-core
   processes; test daemons): a tiny watcher process polls its own parent pid; when the parent is
   gone (reparented watcher) it sends the whole group SIGTERM, then SIGKILL after a grace period.

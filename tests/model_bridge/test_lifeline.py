@@ -59,11 +59,11 @@ def _kill_tree_now(proc):
 
 PARENT = textwrap.dedent("""
     import subprocess, sys, time
-    from megatron_grpo.lifeline import child_env, guard_group
+    from model_bridge.lifeline import child_env, guard_group
     group = subprocess.Popen(["bash", "-c", "sleep 600 & sleep 600"], start_new_session=True)
     guard_group(group.pid, grace_s=1.0)
     child = subprocess.Popen([sys.executable, "-c",
-        "from megatron_grpo.lifeline import die_with_parent; import time; die_with_parent(); time.sleep(600)"],
+        "from model_bridge.lifeline import die_with_parent; import time; die_with_parent(); time.sleep(600)"],
         env=child_env())
     time.sleep(1.5)  # the child has called die_with_parent
     print(group.pid, child.pid, flush=True)
@@ -129,7 +129,7 @@ def test_kill_9_of_mgrpo_train_leaves_no_rank_and_no_vllm_process(tmp_path):
     log = tmp_path / "train.log"
     env = dict(os.environ, MGRPO_CACHE=str(CACHE / "embedded"), HF_HUB_OFFLINE="1")
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "megatron_grpo.cli", "train", "trainer.steps=50",
+        proc = subprocess.Popen([sys.executable, "-m", "launch.cli", "train", "trainer.steps=50",
                                  "checkpoint.every=0", "checkpoint.at_end=false", "logging.progress=false",
                                  f"trainer.run_dir={run}"], cwd=REPO, env=env, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
@@ -137,7 +137,7 @@ def test_kill_9_of_mgrpo_train_leaves_no_rank_and_no_vllm_process(tmp_path):
         metrics = run / "metrics.jsonl"
         _wait_for(lambda: metrics.exists() and metrics.read_text().strip(), 900, "step 1", proc, log)
         tree = psutil.Process(proc.pid).children(recursive=True)
-        ranks = [p.pid for p in tree if "megatron_grpo.cli" in " ".join(p.cmdline())]
+        ranks = [p.pid for p in tree if "spawn_main" in " ".join(p.cmdline())]  # model_bridge.spawn's ranks
         vllm = [p.pid for p in tree if "vllm" in " ".join(p.cmdline()) or p.name().startswith("VLLM")]
         assert len(ranks) == 2 and vllm, [p.cmdline() for p in tree]
         os.kill(proc.pid, signal.SIGKILL)
