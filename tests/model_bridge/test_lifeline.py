@@ -189,3 +189,41 @@ def _pgid(pid):
         return os.getpgid(pid)
     except ProcessLookupError:
         return None
+
+
+@pytest.mark.slow
+def test_a_failed_rollout_ends_both_ranks_with_one_line(tmp_path):
+    """`mgrpo train` (2 ranks) against a rollout server that is up (/health) but answers every other
+    request with an error: exit 1, one `rollout error` line from rank 0 and no traceback from any
+    rank on the terminal; the trace is in the run dir's error.log."""
+    import http.server
+    import threading
+
+    class Broken(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 500)
+            self.end_headers()
+            self.wfile.write(b"" if self.path == "/health" else b"engine is dead")
+
+        do_POST = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Broken)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    run = tmp_path / "run"
+    try:
+        env = dict(os.environ, MGRPO_CACHE=str(CACHE / "embedded"), HF_HUB_OFFLINE="1")
+        r = subprocess.run([sys.executable, "-m", "launch.cli", "train", "rollout.server=remote",
+                            f"rollout.server_urls=[{url}]", "logging.progress=false", f"trainer.run_dir={run}"],
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    finally:
+        server.shutdown()
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    err = [line for line in r.stderr.splitlines() if "rollout error" in line or "Traceback" in line]
+    assert err == [f"mgrpo train: rollout error: RolloutServerError: rollout server {url}: GET /v1/models answered "
+                   f"500: engine is dead (full trace in {run / 'error.log'})"], r.stderr[-3000:]
+    assert "Traceback" not in r.stdout
+    assert "RolloutServerError" in (run / "error.log").read_text()
