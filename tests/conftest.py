@@ -62,10 +62,11 @@ def session_server_spec(ckpt: Path):
     embedded default's settings (rollout.server local: fp32 on CPU, our worker extension, the gloo
     weight-transfer backend), so tests of that server and `mgrpo train ... rollout.server=remote`
     runs share it instead of starting their own."""
-    from megatron_grpo.config import ModelConfig, TrainConfig
+    from megatron_grpo.config import ModelConfig, ServeConfig, TrainConfig
     from megatron_grpo.run.rollout_side import local_server_spec
 
-    return local_server_spec(TrainConfig(model=ModelConfig(hf_dir=str(ckpt))))
+    # serve.max_model_len "auto" is sized from a run's data; 4096 holds every test's conversations
+    return local_server_spec(TrainConfig(model=ModelConfig(hf_dir=str(ckpt)), serve=ServeConfig(max_model_len=4096)))
 
 
 _SESSION_SERVER: dict = {}
@@ -101,10 +102,14 @@ def pytest_collection_finish(session):
 
 def pytest_sessionfinish(session):
     thread = _SESSION_SERVER.get("thread")
-    if thread is not None:
-        thread.join()  # start() stops the server itself if it fails
-        if _SESSION_SERVER.get("server") is not None:
-            _SESSION_SERVER["server"].stop()
+    if thread is None:
+        return
+    # stop it even while it is still starting: an interrupted run must not wait for the start-up
+    while thread.is_alive() and getattr(_SESSION_SERVER.get("server"), "proc", None) is None:
+        thread.join(0.1)
+    if _SESSION_SERVER.get("server") is not None:
+        _SESSION_SERVER["server"].stop()
+    thread.join()
 
 
 @pytest.fixture(scope="session")
