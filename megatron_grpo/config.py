@@ -352,12 +352,8 @@ def serve_dtype(cfg: TrainConfig) -> str:
 
 
 def load_train_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> TrainConfig:
-    """Defaults <- YAML <- dotted overrides; errors name the key (ConfigKeyError).
-
-    The defaults are `TrainConfig()`'s, section by section: a key set in a section (say
-    ``rollout.overlap=true``) leaves that section's other keys at the embedded default's values
-    (``rollout.max_new_tokens`` 24, ...), not at the section class's own defaults."""
-    return load_config(TrainConfig, path, overrides, base=TrainConfig())
+    """Defaults <- YAML <- dotted overrides; errors name the key (ConfigKeyError)."""
+    return load_config(TrainConfig, path, overrides)
 
 
 if __name__ == "__main__":

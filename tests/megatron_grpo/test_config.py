@@ -54,18 +54,6 @@ def test_30b_example_loads_with_its_layout():
     assert (p.nproc, p.tp, p.ep, p.pp, cfg.rollout.max_turns, cfg.rollout.num_generations) == (32, 2, 8, 2, 5, 8)
 
 
-def test_an_override_keeps_the_rest_of_its_section_at_the_default():
-    """`mgrpo train rollout.overlap=true` is the embedded default with overlap, not a rollout
-    section rebuilt from RolloutConfig's class defaults (other reward functions, 10x the tokens)."""
-    import dataclasses
-
-    default = TrainConfig()
-    cfg = load_train_config(None, ["rollout.overlap=true", "optimizer.clip_grad=0.5"])
-    assert cfg.rollout == dataclasses.replace(default.rollout, overlap=True)
-    assert cfg.optimizer == dataclasses.replace(default.optimizer, clip_grad=0.5)
-    assert cfg.rollout.reward_funcs == ["answer_chars", "format"] and cfg.optimizer.lr == 2e-4
-
-
 def test_cross_section_checks_name_the_keys():
     with pytest.raises(ConfigKeyError, match=r"parallel.nproc=3 is not a multiple of tp\*pp=2"):
         load_train_config(None, ["parallel.nproc=3"])
