@@ -145,7 +145,10 @@ def test_record_then_replay_without_a_server(tmp_path):
     """Record 2 steps of the embedded job (real vLLM CPU server, nproc 2, TP2); replay them with no
     server (server_urls at a dead port) at nproc 1/TP1 and, with a resume, at the recording's layout."""
     rec = tmp_path / "rec"
+    # long answers (up to 3 turns x 1024 tokens): the random tiny model must score in some of 8
+    # samples for step 1 to have non-zero advantages (24-token turns scored 0 in all 8)
     small = ["trainer.steps=2", "trainer.prompts_per_step=2", "rollout.num_generations=4", *QUIET,
+             "rollout.max_turns=3", "rollout.max_new_tokens=1024",
              "rollout.reward_funcs=[answer_chars,format]", "rollout.reward_weights=[1.0,1.0]"]
     r = _mgrpo("train", *small, f"rollout.record_dir={rec}", f"trainer.run_dir={tmp_path / 'live'}",
                "logging.trajectories.every=2", "logging.trajectories.max_samples=4")
