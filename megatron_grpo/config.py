@@ -122,6 +122,10 @@ class TrainerSection:
     then the chunked log-softmax (same values)."""
     max_consecutive_skips: int = 3
     """Stop after this many updates in a row skipped for non-finite gradients."""
+    device_features: bool = True
+    """On GPU, compute the audio clips' log-mel features on the device
+    (``data/device_features.py``, the Whisper extractor's math in torch) instead of on the host;
+    ignored on CPU."""
 
     def __post_init__(self):
         if self.steps < 1 or self.prompts_per_step < 1:

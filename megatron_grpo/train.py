@@ -135,7 +135,9 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
             data = DataIterator.from_config(read_jsonl(cfg.data.train_jsonl, cfg.data), cfg.data,
                                             cfg.trainer.prompts_per_step)
         from transformers import AutoFeatureExtractor
-        features = AutoFeatureExtractor.from_pretrained(cfg.model.hf_dir)
+        from megatron_grpo.data.device_features import trainer_featurizer
+        featurize = trainer_featurizer(AutoFeatureExtractor.from_pretrained(cfg.model.hf_dir),
+                                       cfg.trainer.device_features)
         tp_sp = p.tp if p.tp > 1 else 1
         packing = PackingConfig(max_tokens_per_microbatch=round_up(cfg.packing.max_tokens_per_microbatch, tp_sp),
                                 pad_multiple=tp_sp, allow_oversized=cfg.packing.allow_oversized,
@@ -185,7 +187,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
                         feed.prefetch(step + 1)  # rollout.overlap: step+1 rolls out while this step trains
                     t0 = time.monotonic()
                     plan = plan_step([t.num_tokens for t in trajs], dp_size, packing)  # 3. pack
-                    mbs = build_train_microbatches(trajs, plan, dp_rank, packing, feature_extractor=features,
+                    mbs = build_train_microbatches(trajs, plan, dp_rank, packing, featurize=featurize,
                                                    n_window=engine.spec.audio.n_window)
                     check_schedule(StepSchedule.from_microbatches(step, mbs))
                     with wd.collective("train_step"):                           # 4. train
