@@ -122,6 +122,11 @@ class TrainerSection:
     then the chunked log-softmax (same values)."""
     max_consecutive_skips: int = 3
     """Stop after this many updates in a row skipped for non-finite gradients."""
+    cuda_graphs: bool = True
+    """On GPU, replay each training micro-batch's decoder stack from a CUDA graph captured once per
+    bucket shape (``engine/graphs.py``: micro-batches padded to a quarter, half, three quarters or
+    all of the token budget); falls back to eager with one logged reason where it does not apply
+    (CPU, PP > 1, EP > 1, TP > 1, recomputation, a non-torch layer spec)."""
     device_features: bool = True
     """On GPU, compute the audio clips' log-mel features on the device
     (``data/device_features.py``, the Whisper extractor's math in torch) instead of on the host;

@@ -143,6 +143,9 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
                                 pad_multiple=tp_sp, allow_oversized=cfg.packing.allow_oversized,
                                 pad_token_id=int(side.tokenizer.pad_token_id or 0) if rank == 0 else 0)
         packing = _broadcast(packing)
+        from megatron_grpo.engine.graphs import enable_graphs
+        enable_graphs(engine, cfg.trainer.cuda_graphs, packing.max_tokens_per_microbatch, backend=cfg.model.backend,
+                      recompute=cfg.model.recompute, multiple=packing.pad_multiple)
         step_cfg = StepConfig(loss=cfg.loss, importance=cfg.importance,
                               max_consecutive_skips=cfg.trainer.max_consecutive_skips,
                               logprob_chunk_size=cfg.trainer.logprob_chunk_size,

@@ -9,7 +9,9 @@ multi-turn audio-agent trajectories (``_train_data``: 10 s - 5 min recordings, 1
 turns with 5-30 s clips, real 16 kHz waveforms), packed with ``--mb-tokens`` (default 4,096, the
 trainer's default budget). Default ``StepConfig`` (fused LM-head logprob, GRPO loss, on-policy),
 default ``OptimConfig`` (Adam, clip_grad 1.0), the trainer's featurizer (on the GPU:
-``data/device_features.py``; ``--host-features`` for the host extractor).
+``data/device_features.py``; ``--host-features`` for the host extractor) and the trainer's CUDA
+graphs for the micro-batches' decoder stacks (``engine/graphs.py``; ``--no-cuda-graphs``: eager).
+The side systems below run eagerly.
 
 Systems (``_train_systems``), run in turns, round by round (``--warmup`` untimed rounds, then
 ``--iters`` timed ones; medians reported), all on the same engine and micro-batches:
@@ -49,7 +51,8 @@ SYSTEMS = ("train", "train_split", "stack", "stack_lm", "audio", "h2d")
 
 def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16, mb_tokens: int = 4096,
               systems=SYSTEMS, warmup: int = 1, iters: int = 3, seed: int = 0, tiny: bool = False,
-              device: str | None = None, work_dir=None, host_features: bool = False, hf_dir=None) -> dict:
+              device: str | None = None, work_dir=None, host_features: bool = False, hf_dir=None,
+              cuda_graphs: bool = True) -> dict:
     """Run the benchmark (module docstring); write ``bench_train.json`` / ``.png`` under ``out_dir``."""
     import torch
 
@@ -83,6 +86,9 @@ def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16
         engine = build_engine(ckpt, ParallelLayout(), dtype=dtype)
         from transformers import AutoFeatureExtractor
 
+        from megatron_grpo.engine.graphs import enable_graphs
+
+        graphs = enable_graphs(engine, cuda_graphs, mb_tokens, backend="auto")
         featurize = trainer_featurizer(AutoFeatureExtractor.from_pretrained(ckpt), not host_features)
         trajs = synth_trajectories(samples, engine.spec, max_tokens=mb_tokens, seed=seed,
                                    ranges=TINY_RANGES if tiny else None, n_window=engine.spec.audio.n_window)
@@ -103,7 +109,10 @@ def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16
             say(f"round {r + 1}/{warmup + iters} done")
         res = {"env": _env(dev), "device": str(dev), "checkpoint": str(ckpt), "layers": None if tiny else layers,
                "audio_layers": None if tiny else audio_layers, "tiny": tiny, "samples": samples,
-               "mb_tokens": mb_tokens, "host_features": host_features,
+               "mb_tokens": mb_tokens, "host_features": host_features, "cuda_graphs": graphs is not None,
+               "cuda_graphs_fallback": engine.extra.get("cuda_graphs_fallback"),
+               "graph_buckets": sorted(graphs.graphed) if graphs else [],
+               "graph_replays": graphs.replays if graphs else 0, "graph_eager_micro_batches": graphs.eager if graphs else 0,
                "tokens_real": bench.real_tokens, "tokens_total": bench.total_tokens,
                "micro_batches": [m.num_tokens for m in bench.host_mbs], "audio_clips": bench.num_clips,
                "audio_seconds": sum(len(w) for t in trajs for w in t.audios) / 16000.0,
@@ -174,7 +183,8 @@ def _print_table(res: dict) -> None:
     s, r = res["systems"], res["report"]
     print(f"\n== bench train: {res['tokens_real']} tokens, {len(res['micro_batches'])} micro-batches, "
           f"{res['audio_clips']} clips ({res['audio_seconds']:.0f} s of audio), {res['device']}, "
-          f"features on the {res['featurizer']}")
+          f"features on the {res['featurizer']}, cuda graphs "
+          f"{res['graph_buckets'] if res['cuda_graphs'] else 'off: ' + str(res['cuda_graphs_fallback'])}")
     for n, v in s.items():
         t = v.get("phase_s_median", v.get("step_s_median"))
         print(f"  {n:12s} {t * 1e3:10.1f} ms  {v.get('tok_per_s', 0):12.0f} tok/s")
@@ -222,7 +232,7 @@ def _cmd(args: argparse.Namespace) -> int:
     run_bench(args.out, layers=args.layers, audio_layers=args.audio_layers, samples=args.samples,
               mb_tokens=args.mb_tokens, systems=systems, warmup=args.warmup, iters=args.iters, seed=args.seed,
               tiny=args.tiny, device=args.device, work_dir=args.work_dir, host_features=args.host_features,
-              hf_dir=args.hf_dir)
+              hf_dir=args.hf_dir, cuda_graphs=not args.no_cuda_graphs)
     return 0
 
 
@@ -242,6 +252,8 @@ def add_parser(bsub) -> argparse.ArgumentParser:
     s.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     s.add_argument("--host-features", action="store_true",
                    help="featurise on the host (the Whisper extractor) instead of on the device")
+    s.add_argument("--no-cuda-graphs", action="store_true",
+                   help="train eagerly (trainer.cuda_graphs=false); the default is mgrpo train's: graphs on GPU")
     s.add_argument("--hf-dir", default=None, help="train this checkpoint instead of generating one (--tiny: its "
                                                  "clip lengths)")
     s.add_argument("--work-dir", default=None, help="where the generated checkpoint goes (default --out)")

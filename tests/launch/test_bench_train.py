@@ -48,6 +48,7 @@ def test_bench_train_tiny_cpu(tmp_path, tiny_ckpt):
     res, _ = _run(tmp_path, tiny_ckpt, "--device", "cpu")
     _check(res)
     assert res["featurizer"] == "host" and res["device"] == "cpu"
+    assert res["cuda_graphs"] is False and res["cuda_graphs_fallback"] == "no CUDA device (graphs are a GPU feature)"
 
 
 @pytest.mark.gpu
@@ -56,3 +57,4 @@ def test_bench_train_tiny_gpu(tmp_path, tiny_ckpt):
     res, _ = _run(tmp_path, tiny_ckpt)
     _check(res)
     assert res["featurizer"] == "device" and res["device"].startswith("cuda")
+    assert res["cuda_graphs"] is True and res["graph_replays"] > 0 and res["graph_buckets"]
