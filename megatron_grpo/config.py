@@ -13,7 +13,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 import torch
 
@@ -95,8 +95,10 @@ class ServeConfig:
 class PackingSection:
     """How a step's samples become THD micro-batches (megatron_grpo/packing.py)."""
 
-    max_tokens_per_microbatch: int = 4096
-    """Token budget of one micro-batch, padding included (rounded to the TP size)."""
+    max_tokens_per_microbatch: Union[int, Literal["auto"]] = 4096
+    """Token budget of one micro-batch, padding included (rounded to the TP size). ``auto``: from
+    the free GPU memory after the model and optimizer are built and the model's geometry
+    (``engine/budget.py``; the smallest over the ranks; logged); 4096 on CPU."""
     allow_oversized: bool = True
     """A sample longer than the budget gets a micro-batch of its own (False: error)."""
 

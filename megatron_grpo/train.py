@@ -70,6 +70,20 @@ def _warn_no_signal(step: int, m: dict, streak: bool, say=None) -> bool:
     return now
 
 
+def _token_budget(cfg: TrainConfig, engine, multiple: int) -> int:
+    """``packing.max_tokens_per_microbatch`` as an int; ``auto``: the smallest over the ranks of
+    each rank's budget from its free memory (``engine/budget.py``)."""
+    from megatron_grpo.engine.budget import resolve_token_budget
+
+    value = cfg.packing.max_tokens_per_microbatch
+    budget = resolve_token_budget(value, engine, chunk_tokens=cfg.trainer.logprob_chunk_size, multiple=multiple)
+    if value == "auto" and dist.get_world_size() > 1:
+        t = torch.tensor([budget], device="cuda" if torch.cuda.is_available() else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        budget = int(t.item())
+    return budget
+
+
 PREEMPTED_MARKER = "PREEMPTED"
 """run_dir/PREEMPTED (JSON: step, signal, time): the run stopped on SIGUSR1/SIGTERM after saving the
 checkpoint of `step`; the slurm job script then requeues itself (docs/slurm.md). Removed at start."""
@@ -139,7 +153,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
         featurize = trainer_featurizer(AutoFeatureExtractor.from_pretrained(cfg.model.hf_dir),
                                        cfg.trainer.device_features)
         tp_sp = p.tp if p.tp > 1 else 1
-        packing = PackingConfig(max_tokens_per_microbatch=round_up(cfg.packing.max_tokens_per_microbatch, tp_sp),
+        budget = _token_budget(cfg, engine, tp_sp)
+        packing = PackingConfig(max_tokens_per_microbatch=round_up(budget, tp_sp),
                                 pad_multiple=tp_sp, allow_oversized=cfg.packing.allow_oversized,
                                 pad_token_id=int(side.tokenizer.pad_token_id or 0) if rank == 0 else 0)
         packing = _broadcast(packing)

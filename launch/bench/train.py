@@ -27,7 +27,8 @@ forward/backward), forward/backward by part (audio tower = ``audio``, decoder la
 LM head = ``stack_lm - stack``, rest = ``forward_backward - audio - stack_lm``: the loss, IS weights,
 megatron's schedule and the host gaps between micro-batches), optimizer, other (zeroing, syncs);
 the optimizer step against its memory-bandwidth bound (``_train_systems.optimizer_bound``);
-featurise + pack + H2D against the 5% target.
+featurise + pack + H2D against the 5% target; the budget ``packing.max_tokens_per_microbatch: auto``
+would pick on this engine (``auto_budget``, next to the measured ``peak_mem_gib``).
 """
 from __future__ import annotations
 
@@ -89,6 +90,9 @@ def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16
         from megatron_grpo.engine.graphs import enable_graphs
 
         graphs = enable_graphs(engine, cuda_graphs, mb_tokens, backend="auto")
+        from megatron_grpo.engine.budget import resolve_token_budget
+
+        auto_budget = resolve_token_budget("auto", engine, chunk_tokens=StepConfig().logprob_chunk_size)
         featurize = trainer_featurizer(AutoFeatureExtractor.from_pretrained(ckpt), not host_features)
         trajs = synth_trajectories(samples, engine.spec, max_tokens=mb_tokens, seed=seed,
                                    ranges=TINY_RANGES if tiny else None, n_window=engine.spec.audio.n_window)
@@ -109,7 +113,7 @@ def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16
             say(f"round {r + 1}/{warmup + iters} done")
         res = {"env": _env(dev), "device": str(dev), "checkpoint": str(ckpt), "layers": None if tiny else layers,
                "audio_layers": None if tiny else audio_layers, "tiny": tiny, "samples": samples,
-               "mb_tokens": mb_tokens, "host_features": host_features, "cuda_graphs": graphs is not None,
+               "mb_tokens": mb_tokens, "auto_budget": auto_budget, "host_features": host_features, "cuda_graphs": graphs is not None,
                "cuda_graphs_fallback": engine.extra.get("cuda_graphs_fallback"),
                "graph_buckets": sorted(graphs.graphed) if graphs else [],
                "graph_replays": graphs.replays if graphs else 0, "graph_eager_micro_batches": graphs.eager if graphs else 0,
