@@ -148,7 +148,9 @@ class MicroBatchGraphs:
                 torch.zeros(3, 1, tokens, dtype=torch.long, device=like.device),
                 torch.tensor([0] + [tokens] * MAX_SEGMENTS, dtype=torch.int32, device=like.device))
         torch.cuda.synchronize()
-        graphed = torch.cuda.make_graphed_callables(_Stack(self.thinker, tokens), args, pool=self.pool)
+        # the GPT model's embedding and output layer are in its parameters but not in this graph
+        graphed = torch.cuda.make_graphed_callables(_Stack(self.thinker, tokens), args, allow_unused_input=True,
+                                                    pool=self.pool)
         torch.cuda.synchronize()
         for k, v in get_moe_layer_wise_logging_tracker().items():
             if k in saved:
