@@ -202,7 +202,9 @@ def enable_graphs(engine, enabled: bool, budget: int, *, backend: str = "auto", 
                                 backend=resolve_backend(backend), recompute=recompute, dtype=engine.dtype,
                                 head_dim=text.head_dim)
     if why is not None:
-        log.warning("trainer.cuda_graphs: micro-batches run eagerly: %s", why)
+        # on CPU that is the expected case (the default config is on): no warning in every CPU run
+        log.log(logging.INFO if not torch.cuda.is_available() else logging.WARNING,
+                "trainer.cuda_graphs: micro-batches run eagerly: %s", why)
         engine.extra["cuda_graphs_fallback"] = why
         return None
     graphs = engine.extra["cuda_graphs"] = MicroBatchGraphs(unwrapped(engine.model[0]), budget, multiple)

@@ -173,3 +173,21 @@ def test_graphs_match_eager_over_three_steps(tiny_ckpt):
         assert gv <= max(4 * ee, 1e-3), res
     for lg, le, le2 in res["loss"]:
         assert lg == pytest.approx(le, rel=1e-3, abs=1e-6), res
+
+
+def test_enable_graphs_logs_the_fallback_reason(caplog):
+    from types import SimpleNamespace
+
+    from megatron_grpo.engine.graphs import enable_graphs
+    from model_bridge.config import ParallelLayout
+
+    engine = SimpleNamespace(layout=ParallelLayout(), spec=SimpleNamespace(text=SimpleNamespace(head_dim=128)),
+                             dtype=torch.bfloat16, extra={"cuda_graphs": object()})
+    assert enable_graphs(engine, False, 4096) is None and "cuda_graphs" not in engine.extra
+    with caplog.at_level(logging.INFO, logger="megatron_grpo.engine.graphs"):
+        assert enable_graphs(engine, True, 4096, backend="local") is None
+    assert engine.extra["cuda_graphs_fallback"] == ("no CUDA device (graphs are a GPU feature)" if not
+                                                    torch.cuda.is_available() else
+                                                    "layer-spec backend 'local': only the 'torch' backend's layers "
+                                                    "run without host syncs")
+    assert caplog.messages == [f"trainer.cuda_graphs: micro-batches run eagerly: {engine.extra['cuda_graphs_fallback']}"]
