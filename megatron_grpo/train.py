@@ -127,6 +127,11 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
 
     p = cfg.parallel
     init_parallel(tp=p.tp, ep=p.ep, etp=p.etp, pp=p.pp, seed=cfg.trainer.seed)
+    from contextlib import ExitStack
+
+    from megatron_grpo.engine.graphs import trainer_stream
+    on_stream = ExitStack()  # the rank's work on the graphs' capture stream, from the engine's build on
+    on_stream.enter_context(trainer_stream(cfg.trainer.cuda_graphs))
     rank = dist.get_rank()
     run_dir = Path(cfg.trainer.run_dir)
     if rank == 0:
@@ -186,6 +191,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
             from tqdm import tqdm
             bar = tqdm(total=cfg.trainer.steps, initial=start, desc="grpo", unit="step", dynamic_ncols=True)
     except BaseException:
+        on_stream.close()
         if side:
             side.close()
         raise
@@ -241,6 +247,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
                                   f"`mgrpo train --resume {run_dir}`", flush=True)
                         break
     finally:
+        on_stream.close()
         feed.close()
         preempt.restore()
         if bar:

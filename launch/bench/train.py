@@ -81,6 +81,12 @@ def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16
     ckpt = Path(hf_dir) if hf_dir else prepare_checkpoint(work, tiny=tiny, layers=layers, audio_layers=audio_layers,
                                                           seed=seed)
     init_parallel(seed=seed)
+    from contextlib import ExitStack
+
+    from megatron_grpo.engine.graphs import trainer_stream
+
+    on_stream = ExitStack()
+    on_stream.enter_context(trainer_stream(cuda_graphs))  # as mgrpo train: from the engine's build on
     try:
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
         say(f"engine on {dev} ({dtype}) ...")
@@ -127,6 +133,7 @@ def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16
         res["featurizer"] = "device" if type(featurize).__name__ == "DeviceFeaturizer" else "host"
         res["report"] = report(res)
     finally:
+        on_stream.close()
         destroy_parallel()
     res["wall_s"] = time.time() - t_start
     argv = sys.argv[3:] if sys.argv[1:3] == ["bench", "train"] else sys.argv[1:]

@@ -30,12 +30,14 @@ sample), which run eagerly in the same step (one logged line each kind).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Optional
 
 import torch
 
-__all__ = ["MicroBatchGraphs", "graph_fallback_reason", "bucket_sizes", "enable_graphs", "MAX_SEGMENTS"]
+__all__ = ["MicroBatchGraphs", "graph_fallback_reason", "bucket_sizes", "enable_graphs", "trainer_stream",
+           "MAX_SEGMENTS"]
 
 log = logging.getLogger("megatron_grpo.engine.graphs")
 
@@ -43,6 +45,28 @@ MAX_SEGMENTS = 64
 """Segments (samples plus padding) a graphed micro-batch may have: the offsets buffer's fixed size."""
 BUCKETS_PER_BUDGET = 4
 """Bucket shapes: the multiples of ``budget / BUCKETS_PER_BUDGET`` up to the budget."""
+
+
+@contextlib.contextmanager
+def trainer_stream(enabled: bool = True):
+    """The trainer's work on one side stream of the current CUDA device, which is also the stream
+    the graphs are captured on (``torch.cuda.graph``'s default capture stream). Enter it before the
+    engine is built: megatron's DDP takes every parameter's gradient-accumulation node at its
+    construction, and autograd ties such a node to the stream current then; a capture on another
+    stream would make that stream (the legacy default stream, without this) wait on the capturing
+    one, which fails the capture (``operation would make the legacy stream depend on a capturing
+    blocking stream``). Elsewhere (CPU, or ``enabled`` false) nothing changes."""
+    if not (enabled and torch.cuda.is_available()):
+        yield None
+        return
+    stream = torch.cuda.Stream()
+    prev = torch.cuda.graph.default_capture_stream
+    torch.cuda.graph.default_capture_stream = stream
+    try:
+        with torch.cuda.stream(stream):
+            yield stream
+    finally:
+        torch.cuda.graph.default_capture_stream = prev
 
 
 def graph_fallback_reason(*, cuda: bool, tp: int = 1, pp: int = 1, ep: int = 1, backend: str = "torch",

@@ -118,15 +118,24 @@ def test_bucket_padding_gives_the_thinkers_hidden_states(tiny_ckpt):
 def _graph_vs_eager_rank(hf_dir: str, budget: int, steps: int = 3) -> dict:
     """Three engines from one checkpoint (bf16, GPU): graphs, and twice the same bucketed path
     eagerly; ``steps`` train steps each on the same micro-batches. Per step: hidden states of the
-    first micro-batch before the update (graph vs eager, bit-equal), gradient differences."""
+    first micro-batch before the update (graph vs eager, bit-equal), gradient differences. All on
+    the trainer's stream (``trainer_stream``), as ``mgrpo train`` runs."""
+    from model_bridge.parallel import init_parallel
+
+    from megatron_grpo.engine.graphs import trainer_stream
+
+    init_parallel(seed=1234)
+    with trainer_stream():
+        return _graph_vs_eager(hf_dir, budget, steps)
+
+
+def _graph_vs_eager(hf_dir: str, budget: int, steps: int) -> dict:
     from megatron_grpo.engine.forward import _graphed_forward
     from megatron_grpo.engine.graphs import enable_graphs
     from megatron_grpo.engine.setup import build_engine, unwrapped
     from megatron_grpo.engine.step import StepConfig, forward_backward, optimizer_update
     from model_bridge.config import ParallelLayout
-    from model_bridge.parallel import init_parallel
 
-    init_parallel(seed=1234)
     engines = [build_engine(hf_dir, ParallelLayout(), dtype=torch.bfloat16) for _ in range(3)]
     g = enable_graphs(engines[0], True, budget, backend="torch")
     assert g is not None, engines[0].extra.get("cuda_graphs_fallback")
