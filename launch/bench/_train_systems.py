@@ -90,9 +90,10 @@ class TrainBench:
         plan = plan_step(self.lengths, 1, self.packing)
         mbs = self._build(plan, [0.0])
         check_schedule(StepSchedule.from_microbatches(self.step_no, mbs))
-        self.last_metrics = train_step(self.engine, mbs, self.cfg, step=self.step_no)
+        self.last_metrics = m = train_step(self.engine, mbs, self.cfg, step=self.step_no)
         _sync(self.device)
-        return {"phase_s": time.perf_counter() - t0}
+        return {"phase_s": time.perf_counter() - t0, "grad_norm": m["grad_norm"], "loss": m["loss"],
+                "skipped": m["skipped"]}
 
     def train_split(self) -> dict:
         """The same calls as :meth:`train` (``train_step``'s body inlined) with a sync between parts."""
@@ -114,14 +115,15 @@ class TrainBench:
         self.engine.optimizer.zero_grad()
         _sync(self.device)
         t2 = time.perf_counter()
-        forward_backward(self.engine, mbs, self.cfg)
+        fb = forward_backward(self.engine, mbs, self.cfg)
         _sync(self.device)
         t3 = time.perf_counter()
-        optimizer_update(self.engine, None, self.step_no)
+        up = optimizer_update(self.engine, None, self.step_no)
         _sync(self.device)
         t4 = time.perf_counter()
         return {"phase_s": t4 - t0, "featurise_s": feat[0], "pack_s": t1 - t0 - feat[0], "zero_grad_s": t2 - t1,
-                "forward_backward_s": t3 - t2, "optimizer_s": t4 - t3}
+                "forward_backward_s": t3 - t2, "optimizer_s": t4 - t3, "grad_norm": up["grad_norm"],
+                "loss": fb["loss"], "skipped": up["skipped"]}
 
     # ---- the side systems -----------------------------------------------------------------------
 

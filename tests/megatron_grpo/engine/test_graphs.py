@@ -176,7 +176,7 @@ def _graph_vs_eager(hf_dir: str, budget: int, steps: int) -> dict:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_graphs_match_eager_over_three_steps(tiny_ckpt):
     res = run_ranks(_graph_vs_eager_rank, 1, str(tiny_ckpt), 512, timeout=600)[0]
-    assert res["replays"] >= 6 and len(res["buckets"]) >= 2, res
+    assert res["replays"] >= 6 and res["buckets"], res
     assert all(res["equal_hidden"]), res
     for gv, ee in zip(res["graph_vs_eager"], res["eager_vs_eager"]):
         assert gv <= max(4 * ee, 1e-3), res
