@@ -122,6 +122,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
     from megatron_grpo.packing import PackingConfig, plan_step, round_up
     from megatron_grpo.run.embedded import ensure_embedded_inputs
     from megatron_grpo.run.rollout_side import open_feed, open_side
+    from megatron_grpo.run.to_ranks import deliver, dp_ranks_of_all
     from model_bridge.config import ParallelLayout
     from model_bridge.parallel import destroy_parallel, init_parallel
 
@@ -144,7 +145,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
     cfg = _broadcast(cfg)  # every rank sees the resolved paths
     layout = ParallelLayout(tp=p.tp, ep=p.ep, etp=p.etp, pp=p.pp)
     dtype = train_dtype(cfg)  # the local vLLM server gets the same (config.serve_dtype)
-    _exit_on_sigterm()  # before the loop a SIGTERM (spawn_ranks stopping us) must still run the cleanup
+    _exit_on_sigterm()  # before the loop a SIGTERM (the rank spawner stopping us) must still run the cleanup
     side = open_side(cfg, run_dir) if rank == 0 else None  # vLLM starts while ranks build the model
     try:  # until the loop's `finally` takes over, an error must not leave the local server running
         engine = build_engine(cfg.model.hf_dir, layout, cfg.optimizer, dtype=dtype, backend=cfg.model.backend,
@@ -172,6 +173,9 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
                               fused_lm_head=cfg.trainer.fused_lm_head)
         logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, plot=cfg.logging.plot) if rank == 0 else None
         feed = open_feed(cfg, side, data, rank)  # rollout.server replay: a recording's steps, no server, no push
+        dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        to_ranks = functools.partial(deliver, plan_of=functools.partial(plan_step, dp_size=dp_size, config=packing),
+                                     dp_of_rank=dp_ranks_of_all(dp_rank), broadcast=_broadcast)
 
         start = 0
         if resume:
@@ -185,7 +189,6 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
         if start > 0 or resume:  # the server must serve the checkpoint's weights, not the HF dir's
             feed.push(engine.model, start)
 
-        dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         bar = None
         if rank == 0 and cfg.logging.progress:
             from tqdm import tqdm
@@ -205,7 +208,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
                 with wd.step(step):
                     times = {}
                     t0 = time.monotonic()
-                    trajs, extra = feed.take(step, _broadcast)     # 1-2. rollout (rank 0), advantages
+                    trajs, extra = feed.take(step, to_ranks)       # 1-2. rollout (rank 0), advantages
                     times["rollout"] = time.monotonic() - t0
                     if step < cfg.trainer.steps:
                         feed.prefetch(step + 1)  # rollout.overlap: step+1 rolls out while this step trains

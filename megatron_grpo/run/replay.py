@@ -233,13 +233,13 @@ class ReplayFeed:
     def __init__(self, side, data, rank: int):
         self.side, self.data, self.rank = side, data, rank
 
-    def take(self, step: int, broadcast):
+    def take(self, step: int, to_ranks):
         if self.rank == 0:
             trajs, _ = load_step(self.side.dir, step)
             vocab = self.side.manifest["vocab_size"]
             if any(max(t.input_ids_T, default=-1) >= vocab for t in trajs):  # pragma: no cover
                 raise ValueError(f"{step_path(self.side.dir, step)}: a token id >= vocab_size {vocab}")
-        trajs = broadcast(trajs if self.rank == 0 else None)
+        trajs = to_ranks(trajs if self.rank == 0 else None)
         return trajs, {"rollout_source": "replay"}
 
     def prefetch(self, next_step: int) -> None:

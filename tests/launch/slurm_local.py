@@ -45,7 +45,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -53,6 +52,9 @@ import time
 from pathlib import Path
 
 import pytest
+
+from model_bridge.lifeline import guard_group, release
+from model_bridge.spawn import free_port
 
 CRED_EXPIRE_S = 5
 NODE_CPUS = 16
@@ -73,12 +75,6 @@ def unavailable(reason: str):
     if _in_ci():
         pytest.fail(f"real Slurm unavailable under CI: {reason}", pytrace=False)
     pytest.skip(f"real Slurm unavailable: {reason}")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tail(path: Path, n: int = 40) -> str:
@@ -143,6 +139,7 @@ class LocalSlurm:
         self.conf = root / "slurm.conf"
         self.logs = root / "log"
         self.procs: dict[str, subprocess.Popen] = {}
+        self.watchers: list[subprocess.Popen] = []
         self.env = dict(os.environ)
         self.env["SLURM_CONF"] = str(self.conf)
         for k in list(self.env):  # never inherit an enclosing allocation's view of the world
@@ -157,7 +154,7 @@ class LocalSlurm:
         for d in ("state", "spool", "log"):
             (r / d).mkdir(exist_ok=True)
         mem_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
-        self.ctld_port, self.slurmd_port = _free_port(), _free_port()
+        self.ctld_port, self.slurmd_port = free_port(), free_port()
         self.conf.write_text(f"""\
 # one-node test cluster written by tests/launch/slurm_local.py
 ClusterName=mgrpotest
@@ -206,6 +203,8 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
                                             stderr=subprocess.STDOUT, env=self.env,
                                             start_new_session=True)
         out.close()
+        # its own group; the watcher ends it if this pytest process dies without calling stop()
+        self.watchers.append(guard_group(self.procs[name].pid))
 
     def start(self, timeout: float = 60.0) -> None:
         r = self.root
@@ -281,6 +280,8 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
                         p.wait(10)
             if p.poll() is None:
                 problems.append(f"{name} (pid {p.pid}) did not exit")
+        for w in self.watchers:
+            release(w)
         # whatever still carries our SLURM_CONF was started through this cluster: a job's
         # process that outlived scancel, a slurmstepd, slurmctld's slurmscriptd helper
         self.strays = self._pids_with_our_conf()
