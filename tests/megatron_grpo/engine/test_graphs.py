@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from megatron_grpo.engine.graphs import MAX_SEGMENTS, MicroBatchGraphs, bucket_sizes, graph_fallback_reason
-from megatron_grpo.testing.dist import run_ranks
+from model_bridge.spawn import run_ranks
 
 
 @pytest.mark.parametrize("kw,reason", [
