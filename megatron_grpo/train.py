@@ -70,6 +70,20 @@ def _warn_no_signal(step: int, m: dict, streak: bool, say=None) -> bool:
     return now
 
 
+def _token_budget(cfg: TrainConfig, engine, multiple: int) -> int:
+    """``packing.max_tokens_per_microbatch`` as an int; ``auto``: the smallest over the ranks of
+    each rank's budget from its free memory (``engine/budget.py``)."""
+    from megatron_grpo.engine.budget import resolve_token_budget
+
+    value = cfg.packing.max_tokens_per_microbatch
+    budget = resolve_token_budget(value, engine, chunk_tokens=cfg.trainer.logprob_chunk_size, multiple=multiple)
+    if value == "auto" and dist.get_world_size() > 1:
+        t = torch.tensor([budget], device="cuda" if torch.cuda.is_available() else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        budget = int(t.item())
+    return budget
+
+
 PREEMPTED_MARKER = "PREEMPTED"
 """run_dir/PREEMPTED (JSON: step, signal, time): the run stopped on SIGUSR1/SIGTERM after saving the
 checkpoint of `step`; the slurm job script then requeues itself (docs/slurm.md). Removed at start."""
@@ -115,6 +129,11 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
 
     p = cfg.parallel
     init_parallel(tp=p.tp, ep=p.ep, etp=p.etp, pp=p.pp, seed=cfg.trainer.seed)
+    from contextlib import ExitStack
+
+    from megatron_grpo.engine.graphs import trainer_stream
+    on_stream = ExitStack()  # the rank's work on the graphs' capture stream, from the engine's build on
+    on_stream.enter_context(trainer_stream(cfg.trainer.cuda_graphs))
     rank = dist.get_rank()
     run_dir = Path(cfg.trainer.run_dir)
     if rank == 0:
@@ -137,12 +156,18 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
             data = DataIterator.from_config(read_jsonl(cfg.data.train_jsonl, cfg.data), cfg.data,
                                             cfg.trainer.prompts_per_step)
         from transformers import AutoFeatureExtractor
-        features = AutoFeatureExtractor.from_pretrained(cfg.model.hf_dir)
+        from megatron_grpo.data.device_features import trainer_featurizer
+        featurize = trainer_featurizer(AutoFeatureExtractor.from_pretrained(cfg.model.hf_dir),
+                                       cfg.trainer.device_features)
         tp_sp = p.tp if p.tp > 1 else 1
-        packing = PackingConfig(max_tokens_per_microbatch=round_up(cfg.packing.max_tokens_per_microbatch, tp_sp),
+        budget = _token_budget(cfg, engine, tp_sp)
+        packing = PackingConfig(max_tokens_per_microbatch=round_up(budget, tp_sp),
                                 pad_multiple=tp_sp, allow_oversized=cfg.packing.allow_oversized,
                                 pad_token_id=int(side.tokenizer.pad_token_id or 0) if rank == 0 else 0)
         packing = _broadcast(packing)
+        from megatron_grpo.engine.graphs import enable_graphs
+        enable_graphs(engine, cfg.trainer.cuda_graphs, packing.max_tokens_per_microbatch, backend=cfg.model.backend,
+                      recompute=cfg.model.recompute, multiple=packing.pad_multiple)
         step_cfg = StepConfig(loss=cfg.loss, importance=cfg.importance,
                               max_consecutive_skips=cfg.trainer.max_consecutive_skips,
                               logprob_chunk_size=cfg.trainer.logprob_chunk_size,
@@ -171,6 +196,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
             from tqdm import tqdm
             bar = tqdm(total=cfg.trainer.steps, initial=start, desc="grpo", unit="step", dynamic_ncols=True)
     except BaseException:
+        on_stream.close()
         if side:
             side.close()
         raise
@@ -190,7 +216,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
                         feed.prefetch(step + 1)  # rollout.overlap: step+1 rolls out while this step trains
                     t0 = time.monotonic()
                     plan = plan_step([t.num_tokens for t in trajs], dp_size, packing)  # 3. pack
-                    mbs = build_train_microbatches(trajs, plan, dp_rank, packing, feature_extractor=features,
+                    mbs = build_train_microbatches(trajs, plan, dp_rank, packing, featurize=featurize,
                                                    n_window=engine.spec.audio.n_window)
                     check_schedule(StepSchedule.from_microbatches(step, mbs))
                     lps = {} if kept.wants(step) else None
@@ -230,6 +256,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
                                   f"`mgrpo train --resume {run_dir}`", flush=True)
                         break
     finally:
+        on_stream.close()
         feed.close()
         preempt.restore()
         if bar:

@@ -354,7 +354,7 @@ def forward_backward(engine, microbatches: Sequence[TrainMicroBatch], config: St
     collected = run_schedule(engine.model, microbatches,
                              partial(_loss_for, engine.spec.text.vocab_size, config, norms, scale, logprobs_out),
                              forward_only=False, force_all_reduce=force_all_reduce,
-                             fused_lm_head=config.fused_lm_head)
+                             fused_lm_head=config.fused_lm_head, graphs=engine.extra.get("cuda_graphs"))
     local = reduce_metrics(collected) if collected else {}
     metrics = _reduce_metrics_dp_pp(local)
     metrics.update(_moe_aux_metric(M))
