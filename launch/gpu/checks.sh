@@ -1,5 +1,5 @@
 #!/bin/bash
-# The GPU session's checklist in one call (the device tool's machines: no network, no megatron-core).
+# The GPU machine's checklist in one call (the device tool's machines: no network, no megatron-core).
 #
 #   launch/gpu/checks.sh OUT [STEP ...]
 #
