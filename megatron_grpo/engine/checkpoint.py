@@ -353,7 +353,7 @@ def save_checkpoint(run_dir: os.PathLike | str, step: int, model_chunks, optimiz
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    from megatron_grpo.guard import collective
+    from megatron_grpo.hang import collective
 
     step = int(step)
     root = checkpoint_root(run_dir)
@@ -433,7 +433,7 @@ def load_checkpoint(run_dir: os.PathLike | str, model_chunks, optimizer, schedul
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    from megatron_grpo.guard import collective
+    from megatron_grpo.hang import collective
 
     chosen = None
     error = None

@@ -20,13 +20,15 @@ pipeline exchanges shapes first).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
 import torch
 
 from model_bridge.config import OmniSpec, ParallelLayout
+
+from .nonfinite import NonFiniteSkips
 
 __all__ = ["OptimConfig", "Engine", "build_model", "build_optimizer", "build_scheduler", "build_engine",
            "default_dtype", "unwrapped", "has_float16_wrapper"]
@@ -158,7 +160,9 @@ class Engine:
     dtype: torch.dtype
     optim: OptimConfig
     hf_dir: Optional[str] = None
-    extra: dict = field(default_factory=dict)
+    nonfinite: Optional[NonFiniteSkips] = None
+    """Skipped-update counters (:func:`~megatron_grpo.engine.step.optimizer_update` creates them;
+    the trainer checkpoints and restores them)."""
 
     @property
     def config(self):
