@@ -9,8 +9,7 @@ thinker layers fwd+bwd: ours vs HF transformers vs megatron's local spec, with t
 :mod:`launch.bench.layers`), ``packing`` (padding fraction and DP balance of our packer vs padded
 batches on the layers bench's length distribution, CPU, :mod:`launch.bench.packing`), ``sync`` (weight
 sync of the 48-layer thinker, ``export_hf`` -> buckets -> broadcast -> unpack between two GPUs, against
-raw NCCL bandwidth; with ``--ep N`` from N expert-parallel trainer ranks, each sending its own
-experts, against the gather to rank 0; gloo on CPU, :mod:`launch.bench.sync`).
+raw NCCL bandwidth; gloo on CPU, :mod:`launch.bench.sync`).
 """
 from __future__ import annotations
 
