@@ -1,8 +1,10 @@
-"""`mgrpo train`: the GRPO loop. One step = rollout -> rewards -> advantages -> pack -> train -> push.
+"""`mgrpo train`: the GRPO loop. One step = rollout -> rewards -> advantages -> pack -> train step ->
+push -> log -> checkpoint, each a visible call in :func:`train`.
 
 Rank 0 talks to vLLM (rollout, weight push); every rank trains its share of the packed step.
-The setup lives in small helpers (run/embedded.py, run/rollout_source.py, engine/, guard.py);
-this file holds the loop and what each rank decides per step.
+:func:`build_run` assembles what the loop uses into one :class:`Run` (model and optimizer from
+engine/, the rollout backend and trajectory source from run/, the packer's limits, the metrics
+logger); this file holds the setup, the loop and what each rank decides per step.
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ What one checkpoint holds (every rank contributes its shards; nothing is gathere
 * ``scheduler``: ``OptimizerParamScheduler.state_dict()`` and the step (common state, rank 0);
 * ``rank_state``: one object per rank (a ``ShardedObject`` of shape ``[world]``): its RNG states
   (Python, NumPy, torch CPU, torch CUDA, megatron's TP/EP RNG tracker) and ``extra_state`` (the
-  data iterator's position, the non-finite guard's counters, ...: anything picklable).
+  data iterator's position, the skipped-update counters, ...: anything picklable).
 
 Save protocol (all ranks call :func:`save_checkpoint`): rank 0 creates ``.tmp-step_N``; all ranks
 write their shards into it with ``dist_checkpointing.save``; rank 0 writes

@@ -212,7 +212,7 @@ def build_model(spec: OmniSpec, layout: ParallelLayout, *, dtype: Optional[torch
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=optim.overlap_grad_reduce,
         overlap_param_gather=optim.overlap_param_gather, use_distributed_optimizer=optim.use_distributed_optimizer,
-        check_for_nan_in_grad=False,  # the step's non-finite guard skips instead of raising
+        check_for_nan_in_grad=False,  # the step skips a non-finite update (NonFiniteSkips) instead of raising
         bucket_size=optim.bucket_size)
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)
     config.finalize_model_grads_func = finalize_model_grads
