@@ -167,19 +167,29 @@ _RANK_STOP_GRACE_S = 30.0
 
 def _spawn_train_ranks(args: argparse.Namespace, nproc: int) -> int:
     """Run `mgrpo train` as ``nproc`` ranks on this machine; the first non-zero exit code (a failing
-    rank takes the others down), 130 on Ctrl-C, else 0."""
+    rank takes the others down), 130 on Ctrl-C, 143 on SIGTERM (the ranks get SIGTERM and time to
+    stop their vLLM server), else 0."""
+    import signal
+
     from model_bridge.spawn import run_ranks
 
     rank_args = argparse.Namespace(**{**vars(args), "overrides": [*args.overrides, f"parallel.nproc={nproc}"]})
     # each rank gets an even share of the cores unless the user chose
     threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nproc))
+
+    def on_sigterm(signum, frame):
+        raise SystemExit(128 + signum)  # run_ranks then stops the ranks (SIGTERM, grace, SIGKILL)
+
+    prev = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         run_ranks(_train_rank, nproc, rank_args, timeout=None, stop_grace_s=_RANK_STOP_GRACE_S,
-                  env={_PREFLIGHT_DONE: "1", "OMP_NUM_THREADS": threads})
+                  die_with_parent=False, env={_PREFLIGHT_DONE: "1", "OMP_NUM_THREADS": threads})
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 1
     except KeyboardInterrupt:
         return 130
+    finally:
+        signal.signal(signal.SIGTERM, prev)
     return 0
 
 

@@ -63,14 +63,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _detach() -> None:
+def _detach(die_with_parent: bool) -> None:
     """Own process group (so the parent can kill this rank together with anything it starts, e.g.
-    dist_checkpointing's manager process) and, on Linux, die with the parent."""
+    dist_checkpointing's manager process) and, on Linux and when asked, die with the parent."""
     try:
         os.setpgid(0, 0)
     except (AttributeError, OSError):
         pass
-    if sys.platform.startswith("linux"):
+    if die_with_parent and sys.platform.startswith("linux"):
         try:
             import ctypes
 
@@ -79,9 +79,9 @@ def _detach() -> None:
             pass
 
 
-def _child(conn, rank: int, fn: Callable, args: tuple, kwargs: dict) -> None:
+def _child(conn, rank: int, die_with_parent: bool, fn: Callable, args: tuple, kwargs: dict) -> None:
     """Entry point of one rank: run fn and send ("ok", value) or ("err", ...) to the parent."""
-    _detach()
+    _detach(die_with_parent)
     try:
         import faulthandler
 
@@ -188,14 +188,16 @@ def _raise_failure(rank: int, info: tuple, others: list[int]) -> None:
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float | None = 300,
-              env: dict[str, str] | None = None, stop_grace_s: float = 3.0, **kwargs: Any) -> list:
+              env: dict[str, str] | None = None, stop_grace_s: float = 3.0, die_with_parent: bool = True,
+              **kwargs: Any) -> list:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` spawned ranks; return their values by rank.
 
     ``fn`` must be a picklable top-level function, and the arguments and return values picklable.
     ``timeout`` (seconds, whole run; None: no limit) and ``env`` (extra environment variables for every rank, e.g.
     ``{"CUDA_VISIBLE_DEVICES": ""}`` to force the CPU path) are not passed on to ``fn``, nor is
     ``stop_grace_s``: how long the ranks get between SIGTERM and SIGKILL when the run ends (a rank
-    that stops a server of its own on SIGTERM needs more than the default).
+    that stops a server of its own on SIGTERM needs more than the default), nor ``die_with_parent``
+    (False: a rank outlives a parent killed outright, to finish and clean up after itself).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -205,7 +207,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     try:
         for rank in range(world_size):
             reader, writer = ctx.Pipe(duplex=False)
-            proc = _start(ctx, _child, (writer, rank, fn, args, kwargs),
+            proc = _start(ctx, _child, (writer, rank, die_with_parent, fn, args, kwargs),
                           {"OMP_NUM_THREADS": "1", **(env or {}), **_env_for(rank, world_size, port)})
             writer.close()  # the parent keeps only the read end: EOF when the child is gone
             procs.append(proc)
