@@ -13,13 +13,22 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from megatron_grpo.config import TrainConfig, train_dtype
 from megatron_grpo.configtree import to_dict
+
+if TYPE_CHECKING:  # the annotations of Run; build_run imports them when it runs (megatron-core is heavy)
+    from megatron_grpo.data.reader import DataIterator
+    from megatron_grpo.engine.setup import Engine
+    from megatron_grpo.engine.step import StepConfig
+    from megatron_grpo.metrics import MetricsLogger
+    from megatron_grpo.packing import PackLimits
+    from megatron_grpo.run.replay import ReplayBackend, ReplaySource
+    from megatron_grpo.run.rollout_source import RolloutBackend, TrajectorySource
 
 
 def _broadcast(obj, src: int = 0):
@@ -105,24 +114,24 @@ class Run:
     """The resolved config (the same on every rank)."""
     rank: int
     run_dir: Path
-    engine: Any
-    """This rank's model chunks, optimizer and LR schedule (``engine.setup.Engine``)."""
-    backend: Any
-    """Rank 0: the vLLM servers and rollout engine, or the recording (``run.rollout_source``); None elsewhere."""
-    source: Any
-    """Every rank's trajectories of a step (``TrajectorySource`` / ``ReplaySource``)."""
-    data: Any
-    """The prompts' iterator (``data.reader.DataIterator``); None when replaying a recording."""
+    engine: Engine
+    """This rank's model chunks, optimizer and LR schedule."""
+    backend: Optional[Union[RolloutBackend, ReplayBackend]]
+    """Rank 0: the vLLM servers and rollout engine, or the recording; None elsewhere."""
+    source: Union[TrajectorySource, ReplaySource]
+    """Every rank's trajectories of a step."""
+    data: Optional[DataIterator]
+    """The prompts' iterator; None when replaying a recording."""
     features: Any
-    """The checkpoint's audio feature extractor (log-mel features of the clips)."""
-    packing: Any
-    """The packer's limits (``packing.PackLimits``)."""
-    step_cfg: Any
-    """What one training step computes (``engine.step.StepConfig``)."""
-    logger: Any
-    """Rank 0's metrics logger (``metrics.MetricsLogger``); None elsewhere."""
+    """The checkpoint's audio feature extractor (transformers' WhisperFeatureExtractor: log-mel features)."""
+    packing: PackLimits
+    """The packer's limits."""
+    step_cfg: StepConfig
+    """What one training step computes."""
+    logger: Optional[MetricsLogger]
+    """Rank 0's metrics logger; None elsewhere."""
     bar: Any
-    """Rank 0's progress bar, when ``logging.progress``."""
+    """Rank 0's tqdm progress bar, when ``logging.progress``; None otherwise."""
     start: int
     """The last step already done (0 for a new run, the checkpoint's step on resume)."""
     dp_rank: int
