@@ -13,7 +13,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -120,6 +120,9 @@ class Run:
     """Rank 0: the vLLM servers and rollout engine, or the recording; None elsewhere."""
     source: Union[TrajectorySource, ReplaySource]
     """Every rank's trajectories of a step."""
+    to_ranks: Callable
+    """Hands rank 0's trajectories of a step to every rank: all on rank 0, elsewhere the samples of
+    that rank's own micro-batches (``run.to_ranks.deliver``)."""
     data: Optional[DataIterator]
     """The prompts' iterator; None when replaying a recording."""
     features: Any
@@ -159,9 +162,10 @@ def build_run(cfg: TrainConfig, resume: bool = False) -> Run:
     from megatron_grpo.engine.setup import build_engine
     from megatron_grpo.engine.step import StepConfig
     from megatron_grpo.metrics import MetricsLogger
-    from megatron_grpo.packing import PackLimits, round_up
+    from megatron_grpo.packing import PackLimits, plan_step, round_up
     from megatron_grpo.run.embedded import ensure_embedded_inputs
     from megatron_grpo.run.rollout_source import open_backend, open_source
+    from megatron_grpo.run.to_ranks import deliver, dp_ranks_of_all
     from model_bridge.config import ParallelLayout
     from model_bridge.parallel import init_parallel
 
@@ -202,6 +206,9 @@ def build_run(cfg: TrainConfig, resume: bool = False) -> Run:
         if rank == 0:
             logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, plot=cfg.logging.plot)
         source = open_source(cfg, backend, data, rank)  # rollout.server replay: a recording's steps, no server, no push
+        dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        to_ranks = functools.partial(deliver, plan_of=functools.partial(plan_step, dp_size=dp_size, config=packing),
+                                     dp_of_rank=dp_ranks_of_all(dp_rank), broadcast=_broadcast)
 
         start = 0
         if resume:
@@ -226,9 +233,9 @@ def build_run(cfg: TrainConfig, resume: bool = False) -> Run:
         if backend:
             backend.close()
         raise
-    return Run(cfg=cfg, rank=rank, run_dir=run_dir, engine=engine, backend=backend, source=source, data=data,
-               features=features, packing=packing, step_cfg=step_cfg, logger=logger, bar=bar, start=start,
-               dp_rank=ps.get_data_parallel_rank(), dp_size=ps.get_data_parallel_world_size())
+    return Run(cfg=cfg, rank=rank, run_dir=run_dir, engine=engine, backend=backend, source=source, to_ranks=to_ranks,
+               data=data, features=features, packing=packing, step_cfg=step_cfg, logger=logger, bar=bar, start=start,
+               dp_rank=dp_rank, dp_size=dp_size)
 
 
 def train(cfg: TrainConfig, resume: bool = False) -> int:
@@ -250,7 +257,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
                 with wd.step(step):
                     t0 = time.monotonic()
                     batch = src.rollout_and_score(step)       # 1-2. rollout and rewards (rank 0)
-                    trajs, extra = src.advantages(step, batch, _broadcast)  # 3. advantages (every rank)
+                    trajs, extra = src.advantages(step, batch, run.to_ranks)  # 3. advantages, this rank's share
                     times = {"rollout": time.monotonic() - t0}
                     if step < cfg.trainer.steps:
                         src.prefetch(step + 1)  # rollout.overlap: step+1 rolls out while this step trains

@@ -35,6 +35,8 @@ import traceback
 from multiprocessing.connection import wait
 from typing import Any, Callable
 
+from model_bridge.lifeline import PARENT_ENV, die_with_parent
+
 __all__ = ["run_ranks", "RankError", "free_port"]
 
 _GRACE_S = 1.0  # after a first failure, how long to wait for the other ranks' own reports
@@ -63,25 +65,22 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _detach(die_with_parent: bool) -> None:
+def _detach() -> None:
     """Own process group (so the parent can kill this rank together with anything it starts, e.g.
-    dist_checkpointing's manager process) and, on Linux and when asked, die with the parent."""
+    dist_checkpointing's manager process) and, on Linux, die with the parent."""
     try:
         os.setpgid(0, 0)
     except (AttributeError, OSError):
         pass
-    if die_with_parent and sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
+    try:
+        die_with_parent()  # PR_SET_PDEATHSIG, and exits at once if the parent is already gone
+    except OSError:
+        pass
 
 
-def _child(conn, rank: int, die_with_parent: bool, fn: Callable, args: tuple, kwargs: dict) -> None:
+def _child(conn, rank: int, fn: Callable, args: tuple, kwargs: dict) -> None:
     """Entry point of one rank: run fn and send ("ok", value) or ("err", ...) to the parent."""
-    _detach(die_with_parent)
+    _detach()
     try:
         import faulthandler
 
@@ -117,6 +116,7 @@ def _env_for(rank: int, world_size: int, port: int) -> dict[str, str]:
 
 def _start(ctx, target, args, env: dict[str, str]):
     """Start a spawn process whose environment is the parent's plus ``env``."""
+    env = {**env, PARENT_ENV: str(os.getpid())}  # die_with_parent in `_detach` reads it
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -188,16 +188,14 @@ def _raise_failure(rank: int, info: tuple, others: list[int]) -> None:
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float | None = 300,
-              env: dict[str, str] | None = None, stop_grace_s: float = 3.0, die_with_parent: bool = True,
-              **kwargs: Any) -> list:
+              env: dict[str, str] | None = None, stop_grace_s: float = 3.0, **kwargs: Any) -> list:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` spawned ranks; return their values by rank.
 
     ``fn`` must be a picklable top-level function, and the arguments and return values picklable.
     ``timeout`` (seconds, whole run; None: no limit) and ``env`` (extra environment variables for every rank, e.g.
     ``{"CUDA_VISIBLE_DEVICES": ""}`` to force the CPU path) are not passed on to ``fn``, nor is
     ``stop_grace_s``: how long the ranks get between SIGTERM and SIGKILL when the run ends (a rank
-    that stops a server of its own on SIGTERM needs more than the default), nor ``die_with_parent``
-    (False: a rank outlives a parent killed outright, to finish and clean up after itself).
+    that stops a server of its own on SIGTERM needs more than the default).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -207,7 +205,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     try:
         for rank in range(world_size):
             reader, writer = ctx.Pipe(duplex=False)
-            proc = _start(ctx, _child, (writer, rank, die_with_parent, fn, args, kwargs),
+            proc = _start(ctx, _child, (writer, rank, fn, args, kwargs),
                           {"OMP_NUM_THREADS": "1", **(env or {}), **_env_for(rank, world_size, port)})
             writer.close()  # the parent keeps only the read end: EOF when the child is gone
             procs.append(proc)

@@ -199,7 +199,7 @@ def _validate(engine, microbatches: Sequence[TrainMicroBatch], config: StepConfi
     for k, m in enumerate(microbatches):
         if layout.sequence_parallel and m.num_tokens % layout.tp:
             return (f"micro-batch {k} has {m.num_tokens} tokens, not a multiple of tp={layout.tp} (sequence "
-                    f"parallelism): pack with PackingConfig(pad_multiple={layout.tp})")
+                    f"parallelism): pack with PackLimits(pad_multiple={layout.tp})")
         if is_last_stage() and config.loss.kl_coef > 0 and m.ref_logprobs_T is None:
             return (f"micro-batch {k} has no ref_logprobs_T but loss.kl_coef={config.loss.kl_coef} > 0: fill them "
                     "with engine.forward.fill_ref_logprobs(ref_model, microbatches, ...)")

@@ -1,6 +1,6 @@
 """Hang guards: every rank checks the step's schedule before it starts, and a watchdog turns a stalled
 step into a stack dump and a non-zero exit (design.md, hang invariant 3). The ``guard`` section of
-the config (``GuardSection``) sets the watchdog's timeouts.
+the config (``HangGuardSection``) sets the watchdog's timeouts.
 
 * :mod:`megatron_grpo.hang.schedule`: :func:`check_schedule`, the collective agreement on what each
   rank is about to run;

@@ -243,9 +243,10 @@ class ReplaySource:
             raise ValueError(f"{step_path(self.backend.dir, step)}: a token id >= vocab_size {vocab}")
         return trajs
 
-    def advantages(self, step: int, trajs, broadcast):
-        """Rank 0's recorded trajectories on every rank; their advantages are the recorded ones."""
-        return broadcast(trajs), {"rollout_source": "replay"}
+    def advantages(self, step: int, trajs, to_ranks):
+        """Rank 0's recorded trajectories handed to every rank (``to_ranks``: run/to_ranks.py); their
+        advantages are the recorded ones."""
+        return to_ranks(trajs), {"rollout_source": "replay"}
 
     def prefetch(self, next_step: int) -> None:
         pass

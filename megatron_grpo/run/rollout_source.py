@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from megatron_grpo.config import TrainConfig, serve_dtype, train_dtype
+from megatron_grpo.run.failures import RolloutFailed, rollout_failure
 
 
 def local_server_spec(cfg: TrainConfig):
@@ -19,10 +20,14 @@ def local_server_spec(cfg: TrainConfig):
     from megatron_grpo.rollout.server import ServerSpec
 
     s = cfg.serve
+    if s.max_model_len == "auto":  # the pre-flight sizes it (megatron_grpo/run/sizing.py)
+        raise ValueError("serve.max_model_len is auto but was not sized from the data: run through "
+                         "`mgrpo train`, or give it a number of tokens")
     return ServerSpec(model=cfg.model.hf_dir, served_model_name="policy", dtype=serve_dtype(cfg),
                       max_model_len=s.max_model_len, max_num_seqs=s.max_num_seqs,
                       seed=cfg.trainer.seed, max_audio_per_prompt=s.max_audio_per_prompt,
-                      cpu_kvcache_gib=s.cpu_kvcache_gib, extra_args=list(s.extra_args))
+                      cpu_kvcache_gib=s.cpu_kvcache_gib, max_audio_seconds=s.max_audio_seconds,
+                      extra_args=list(s.extra_args))
 
 
 def open_backend(cfg: TrainConfig, run_dir: Path):
@@ -42,7 +47,8 @@ def open_source(cfg: TrainConfig, backend, data, rank: int):
     if cfg.rollout.record_dir and rank == 0:
         from megatron_grpo.run.replay import Recorder
         recorder = Recorder(cfg)
-    return TrajectorySource(backend, data, cfg.rollout.overlap, rank, variant=cfg.loss.variant, recorder=recorder)
+    return TrajectorySource(backend, data, cfg.rollout.overlap, rank, variant=cfg.loss.variant, recorder=recorder,
+                            run_dir=cfg.trainer.run_dir)
 
 
 def with_advantages(trajs, variant: str):
@@ -125,8 +131,10 @@ class TrajectorySource:
     position from before the prefetch, so a resume rolls that batch out again with its weights.
     """
 
-    def __init__(self, backend, data, overlap: bool, rank: int, variant: str = "grpo", recorder=None):
+    def __init__(self, backend, data, overlap: bool, rank: int, variant: str = "grpo", recorder=None,
+                 run_dir: str | Path = "."):
         self.backend, self.data, self.overlap, self.rank = backend, data, overlap, rank
+        self.run_dir = run_dir
         self.variant, self.recorder = variant, recorder
         self.pool = None
         if overlap and rank == 0:
@@ -141,21 +149,34 @@ class TrajectorySource:
         return [step * 10_000 + i for i in range(n)]
 
     def rollout_and_score(self, step: int):
-        """Rank 0: `step`'s rolled-out batch with its rewards (the prefetched one with overlap);
-        None on the other ranks."""
+        """Rank 0: `step`'s rolled-out batch with its rewards (the prefetched one with overlap), or
+        the `RolloutFailed` naming what went wrong (run/failures.py); None on the other ranks."""
+        future = self.future
         if self.prefetched_rows is not None:
-            self.prefetched_rows, self.state_before_prefetch = None, None
-            batch = self.future.result() if self.rank == 0 else None
+            rows, self.prefetched_rows, self.state_before_prefetch = self.prefetched_rows, None, None
             self.future = None
-            return batch
-        rows = self.data.next_batch()
-        return self.backend.rollout(rows, self.group_ids(step, len(rows))) if self.rank == 0 else None
+        else:
+            rows = self.data.next_batch()
+        if self.rank != 0:
+            return None
+        try:
+            if future is not None:
+                return future.result()
+            return self.backend.rollout(rows, self.group_ids(step, len(rows)))
+        except Exception as e:  # noqa: BLE001 - every rank stops with one line (run/failures.py)
+            return rollout_failure(e, self.run_dir)
 
-    def advantages(self, step: int, batch, broadcast):
-        """(trajectories with advantages, extra metrics for rank 0's log) of `step` on every rank:
-        rank 0's trajectories broadcast, GRPO advantages filled in, filtered samples dropped; with a
-        recorder, rank 0 saves exactly those trajectories (rollout.record_dir)."""
-        trajs = with_advantages(broadcast(batch.trajectories if batch is not None else None), self.variant)
+    def advantages(self, step: int, batch, to_ranks):
+        """(this rank's trajectories with advantages, extra metrics for rank 0's log) of `step`: rank 0
+        fills in the advantages (filtered samples dropped) and ``to_ranks`` hands every rank its share
+        (all of it on rank 0, a rank's own micro-batches' samples elsewhere: run/to_ranks.py); a
+        rollout failure is raised on every rank. With a recorder, rank 0 saves exactly those
+        trajectories (rollout.record_dir)."""
+        failed = batch if isinstance(batch, RolloutFailed) else None
+        payload = with_advantages(batch.trajectories, self.variant) if self.rank == 0 and failed is None else failed
+        trajs = to_ranks(payload)
+        if isinstance(trajs, RolloutFailed):
+            raise trajs
         if self.recorder is not None:
             self.recorder.record(step, trajs, batch.stats)
         return trajs, {}

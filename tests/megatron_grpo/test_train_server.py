@@ -22,6 +22,7 @@ LOGPROB_ATOL = 1e-4  # fp32 on both sides (measured ~5e-6); bfloat16 on the serv
 
 def _cfg(hf_dir, **kw) -> TrainConfig:
     model = ModelConfig(hf_dir=str(hf_dir), dtype=kw.pop("model_dtype", "auto"))
+    kw.setdefault("serve", ServeConfig(max_model_len=4096))  # `mgrpo train` sizes "auto" from the data
     return TrainConfig(model=model, **kw)
 
 

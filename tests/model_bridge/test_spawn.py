@@ -66,7 +66,7 @@ def test_values_in_rank_order_with_env():
 
 def test_no_timeout_and_thread_count_from_env():
     """What `mgrpo train` spawns its ranks with: no time limit, its own OMP_NUM_THREADS."""
-    out = run_ranks(_whoami, 2, 1, timeout=None, env={"OMP_NUM_THREADS": "3"}, die_with_parent=False)
+    out = run_ranks(_whoami, 2, 1, timeout=None, env={"OMP_NUM_THREADS": "3"})
     assert [o["rank"] for o in out] == [0, 1] and {o["omp"] for o in out} == {"3"}
 
 
