@@ -138,6 +138,14 @@ def _error_kind(e: Exception) -> str:
     return "data error" if isinstance(e, (DataError, AudioError, RowsDoNotFit)) else "config error"
 
 
+def _report_line(cfg, run_dir: Path) -> str:
+    """How to read the run's trajectories (`mgrpo report`), or how to keep some for it."""
+    if cfg.logging.trajectories.every > 0 or (cfg.rollout.record_dir and cfg.rollout.server != "replay"):
+        return f"trajectories: `mgrpo report {run_dir}` writes them as web pages ({run_dir}/report/index.html)"
+    return ("trajectories: none kept; add logging.trajectories.every=N to read every N-th step with "
+            "`mgrpo report RUN_DIR`")
+
+
 _PREFLIGHT_DONE = "MGRPO_PREFLIGHT_DONE"
 """Set in the environment of the ranks `mgrpo train` spawns itself: it has checked the run already."""
 
@@ -184,8 +192,8 @@ def run_train(args: argparse.Namespace) -> int:
         from megatron_grpo.metrics import run_summary
 
         steps = cfg.trainer.steps
-        print("\n".join(["", f"mgrpo train: done ({steps} step{'s' if steps != 1 else ''})", *run_summary(run_dir)]),
-              flush=True)
+        print("\n".join(["", f"mgrpo train: done ({steps} step{'s' if steps != 1 else ''})", *run_summary(run_dir),
+                         _report_line(cfg, run_dir)]), flush=True)
     return code
 
 

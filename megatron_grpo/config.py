@@ -156,6 +156,27 @@ class CheckpointSection:
 
 
 @dataclass
+class TrajectoryLogSection:
+    """A step's trajectories kept for `mgrpo report` (megatron_grpo/run/trajlog.py): text, token ids,
+    rollout and trainer logprobs, rewards, advantages and clips, in run_dir/trajectories/."""
+
+    every: int = 0
+    """Keep steps 1, 1+every, 1+2*every, ...; 0 keeps none (rollout.record_dir keeps every step)."""
+    max_samples: int = 64
+    """At most this many samples of a kept step, whole groups first."""
+
+    def __post_init__(self):
+        for name in ("every", "max_samples"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "every" else 1):
+                raise ValueError(f"logging.trajectories.{name} must be an int >= {0 if name == 'every' else 1}, "
+                                 f"got {v!r}")
+
+    def keeps(self, step: int) -> bool:
+        return self.every > 0 and (step - 1) % self.every == 0
+
+
+@dataclass
 class LoggingSection:
     """What the run shows and writes."""
 
@@ -165,6 +186,8 @@ class LoggingSection:
     """TensorBoard event files in run_dir/tensorboard."""
     plot: bool = True
     """run_dir/curves.png with reward and loss, refreshed every step."""
+    trajectories: TrajectoryLogSection = field(default_factory=TrajectoryLogSection)
+    """Trajectories kept for `mgrpo report` (docs/training.md, 'Read a run: mgrpo report')."""
 
 
 @dataclass

@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # the annotations of Run; build_run imports them when it runs
     from megatron_grpo.packing import PackLimits
     from megatron_grpo.run.replay import ReplayBackend, ReplaySource
     from megatron_grpo.run.rollout_source import RolloutBackend, TrajectorySource
+    from megatron_grpo.run.trajlog import TrajectoryLog
 
 
 def _broadcast(obj, src: int = 0):
@@ -123,6 +124,8 @@ class Run:
     to_ranks: Callable
     """Hands rank 0's trajectories of a step to every rank: all on rank 0, elsewhere the samples of
     that rank's own micro-batches (``run.to_ranks.deliver``)."""
+    kept: TrajectoryLog
+    """The trainer's logprobs beside recordings, and ``logging.trajectories`` (``run.trajlog``)."""
     data: Optional[DataIterator]
     """The prompts' iterator; None when replaying a recording."""
     features: Any
@@ -166,6 +169,7 @@ def build_run(cfg: TrainConfig, resume: bool = False) -> Run:
     from megatron_grpo.run.embedded import ensure_embedded_inputs
     from megatron_grpo.run.rollout_source import open_backend, open_source
     from megatron_grpo.run.to_ranks import deliver, dp_ranks_of_all
+    from megatron_grpo.run.trajlog import TrajectoryLog
     from model_bridge.config import ParallelLayout
     from model_bridge.parallel import init_parallel
 
@@ -206,6 +210,7 @@ def build_run(cfg: TrainConfig, resume: bool = False) -> Run:
         if rank == 0:
             logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, plot=cfg.logging.plot)
         source = open_source(cfg, backend, data, rank)  # rollout.server replay: a recording's steps, no server, no push
+        kept = TrajectoryLog(cfg, run_dir, rank)  # trainer logprobs beside recordings, logging.trajectories
         dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         to_ranks = functools.partial(deliver, plan_of=functools.partial(plan_step, dp_size=dp_size, config=packing),
                                      dp_of_rank=dp_ranks_of_all(dp_rank), broadcast=_broadcast)
@@ -233,9 +238,9 @@ def build_run(cfg: TrainConfig, resume: bool = False) -> Run:
         if backend:
             backend.close()
         raise
-    return Run(cfg=cfg, rank=rank, run_dir=run_dir, engine=engine, backend=backend, source=source, to_ranks=to_ranks,
-               data=data, features=features, packing=packing, step_cfg=step_cfg, logger=logger, bar=bar, start=start,
-               dp_rank=dp_rank, dp_size=dp_size)
+    return Run(cfg=cfg, rank=rank, run_dir=run_dir, engine=engine, backend=backend, source=source,
+               to_ranks=to_ranks, kept=kept, data=data, features=features, packing=packing, step_cfg=step_cfg,
+               logger=logger, bar=bar, start=start, dp_rank=dp_rank, dp_size=dp_size)
 
 
 def train(cfg: TrainConfig, resume: bool = False) -> int:
@@ -266,8 +271,12 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
                     mbs = build_train_microbatches(trajs, plan, run.dp_rank, run.packing,
                                                    feature_extractor=run.features, n_window=engine.spec.audio.n_window)
                     check_schedule(StepSchedule.from_microbatches(step, mbs))
+                    lps = {} if run.kept.wants(step) else None
                     with wd.collective("train_step"):                       # 5. train step
-                        train_metrics = train_step(engine, mbs, run.step_cfg, step=step)
+                        train_metrics = train_step(engine, mbs, run.step_cfg, step=step, logprobs_out=lps)
+                    if lps is not None:
+                        with wd.collective("keep_trajectories"):
+                            run.kept.keep(step, trajs, lps)
                     train_metrics["padding_fraction"] = plan.padding_fraction
                     if torch.cuda.is_available():
                         train_metrics["memory/peak_gib"] = peak_memory_gib()  # max over ranks
