@@ -204,8 +204,8 @@ class LoggingSection:
 
 
 @dataclass
-class GuardSection:
-    """Anti-hang watchdog (megatron_grpo/guard.py)."""
+class HangGuardSection:
+    """Anti-hang watchdog (megatron_grpo/hang/)."""
 
     step_timeout_s: float = 1800.0
     """A step (rollout, train, push) running longer dumps every rank's stacks and exits."""
@@ -351,7 +351,7 @@ class TrainConfig:
     trainer: TrainerSection = field(default_factory=TrainerSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
-    guard: GuardSection = field(default_factory=GuardSection)
+    guard: HangGuardSection = field(default_factory=HangGuardSection)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     def __post_init__(self):

@@ -120,7 +120,7 @@ def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16
         res = {"env": _env(dev), "device": str(dev), "checkpoint": str(ckpt), "layers": None if tiny else layers,
                "audio_layers": None if tiny else audio_layers, "tiny": tiny, "samples": samples,
                "mb_tokens": mb_tokens, "auto_budget": auto_budget, "host_features": host_features, "cuda_graphs": graphs is not None,
-               "cuda_graphs_fallback": engine.extra.get("cuda_graphs_fallback"),
+               "cuda_graphs_fallback": engine.graphs_fallback,
                "graph_buckets": sorted(graphs.graphed) if graphs else [],
                "graph_replays": graphs.replays if graphs else 0, "graph_eager_micro_batches": graphs.eager if graphs else 0,
                "tokens_real": bench.real_tokens, "tokens_total": bench.total_tokens,

@@ -1,22 +1,19 @@
 #!/bin/bash
-# The GPU session's checklist in one call (the device tool's machines: no network, no megatron-core).
+# The GPU machine's checklist in one call (the device tool's machines: no network, no megatron-core).
 #
 #   launch/gpu/checks.sh OUT [STEP ...]
 #
 # STEP (default: tests layers2): tests | layers2 | layers2g | layers4 | layers8 | mb3072 | ep2 | ep4 | ep8 | ep8_16l
-#       | sync | sync_ep2 | sync_ep4 | sync_ep8 | train4 | train8
+#       | sync | train4 | train8
 # * installs megatron-core from .whl/megatron_core-*.whl when it does not import (only that wheel:
 #   soundfile's wheel needs cffi, which the image lacks, and breaks librosa's import);
 # * tests: pytest -m gpu over the test files that have GPU tests (collecting all of tests/ fails
 #   there: some modules import vLLM at collection);
 # * layers*/mb3072/ep2/sync/train*: the benchmarks with the commands docs/performance.md quotes
 #   (train*: mgrpo bench train at 4 / 8 full-width layers; its generated checkpoint goes to /tmp);
-# * sync_epN: weight sync from an EP-N trainer (N GPUs) to a receiver GPU, direct vs gather: needs N + 1
-#   GPUs (sync_ep2: a 4-GPU host; sync_ep4: an 8-GPU host; sync_ep8: 9 GPUs, so it stops at once, with
-#   the reason, on an 8-GPU host);
 # every step has its own time limit and writes under OUT (logs, JSON, PNG, profiles).
 set -uo pipefail
-OUT=${1:?usage: launch/gpu/checks.sh OUT [tests|layers2|layers2g|layers4|layers8|mb3072|ep2|ep4|ep8|ep8_16l|sync|sync_ep2|sync_ep4|sync_ep8|train4|train8 ...]}
+OUT=${1:?usage: launch/gpu/checks.sh OUT [tests|layers2|layers2g|layers4|layers8|mb3072|ep2|ep4|ep8|ep8_16l|sync|train4|train8 ...]}
 shift
 STEPS=("${@:-tests layers2}")
 mkdir -p "$OUT"
@@ -50,10 +47,7 @@ for step in ${STEPS[@]}; do
     ep8) bench ep8 360 layers --layers 2 --ep 8 --hang-timeout 150 --timeout 340 --out "$OUT/ep8" || rc=1 ;;
     ep8_16l) bench ep8_16l 480 layers --layers 16 --ep 8 --hang-timeout 200 --timeout 460 --out "$OUT/ep8_16l" || rc=1 ;;
     sync) bench sync 420 sync --out "$OUT/sync" || rc=1 ;;
-    sync_ep2) bench sync_ep2 540 sync --ep 2 --hang-timeout 240 --timeout 520 --out "$OUT/sync_ep2" || rc=1 ;;
-    sync_ep4) bench sync_ep4 570 sync --ep 4 --hang-timeout 240 --timeout 550 --out "$OUT/sync_ep4" || rc=1 ;;
-    sync_ep8) bench sync_ep8 570 sync --ep 8 --hang-timeout 240 --timeout 550 --out "$OUT/sync_ep8" || rc=1 ;;
-    *) echo "unknown step $step (tests|layers2|layers2g|layers4|layers8|mb3072|ep2|ep4|ep8|ep8_16l|sync|sync_ep2|sync_ep4|sync_ep8|train4|train8)"; rc=2 ;;
+    *) echo "unknown step $step (tests|layers2|layers2g|layers4|layers8|mb3072|ep2|ep4|ep8|ep8_16l|sync|train4|train8)"; rc=2 ;;
   esac
 done
 exit $rc

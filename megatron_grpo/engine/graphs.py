@@ -211,14 +211,14 @@ class MicroBatchGraphs:
 
 def enable_graphs(engine, enabled: bool, budget: int, *, backend: str = "auto", recompute: str = "none",
                   multiple: int = 1) -> Optional[MicroBatchGraphs]:
-    """Set up ``engine.extra["cuda_graphs"]`` (read by ``engine.step.forward_backward``) when
+    """Set up ``engine.graphs`` (read by ``engine.step.forward_backward``) when
     ``enabled`` and the configuration allows (:func:`graph_fallback_reason`; else one logged line
     with the reason and eager micro-batches). Returns the graphs or None."""
     from model_bridge.modeling.specs import resolve_backend
 
     from .setup import unwrapped
 
-    engine.extra.pop("cuda_graphs", None)
+    engine.graphs = engine.graphs_fallback = None
     if not enabled:
         return None
     layout, text = engine.layout, engine.spec.text
@@ -229,7 +229,7 @@ def enable_graphs(engine, enabled: bool, budget: int, *, backend: str = "auto", 
         # on CPU that is the expected case (the default config is on): no warning in every CPU run
         log.log(logging.INFO if not torch.cuda.is_available() else logging.WARNING,
                 "trainer.cuda_graphs: micro-batches run eagerly: %s", why)
-        engine.extra["cuda_graphs_fallback"] = why
+        engine.graphs_fallback = why
         return None
-    graphs = engine.extra["cuda_graphs"] = MicroBatchGraphs(unwrapped(engine.model[0]), budget, multiple)
-    return graphs
+    engine.graphs = MicroBatchGraphs(unwrapped(engine.model[0]), budget, multiple)
+    return engine.graphs

@@ -77,10 +77,10 @@ def _microbatches(engine, hf_dir, budget):
 
     from megatron_grpo.data.device_features import trainer_featurizer
     from megatron_grpo.engine.batch import build_train_microbatches
-    from megatron_grpo.packing import PackingConfig, plan_step
+    from megatron_grpo.packing import PackLimits, plan_step
 
     trajs = _trajectories(engine.spec, budget)
-    packing = PackingConfig(max_tokens_per_microbatch=budget)
+    packing = PackLimits(max_tokens_per_microbatch=budget)
     plan = plan_step([t.num_tokens for t in trajs], 1, packing)
     featurize = trainer_featurizer(AutoFeatureExtractor.from_pretrained(hf_dir))
     return build_train_microbatches(trajs, plan, 0, packing, featurize=featurize, n_window=engine.spec.audio.n_window)
@@ -138,9 +138,9 @@ def _graph_vs_eager(hf_dir: str, budget: int, steps: int) -> dict:
 
     engines = [build_engine(hf_dir, ParallelLayout(), dtype=torch.bfloat16) for _ in range(3)]
     g = enable_graphs(engines[0], True, budget, backend="torch")
-    assert g is not None, engines[0].extra.get("cuda_graphs_fallback")
+    assert g is not None, engines[0].graphs_fallback
     for e in engines[1:]:
-        e.extra["cuda_graphs"] = EagerBuckets(unwrapped(e.model[0]), budget)
+        e.graphs = EagerBuckets(unwrapped(e.model[0]), budget)
     mbs = _microbatches(engines[0], hf_dir, budget)
     cfg = StepConfig()
     res = {"equal_hidden": [], "graph_vs_eager": [], "eager_vs_eager": [], "loss": []}
@@ -155,7 +155,7 @@ def _graph_vs_eager(hf_dir: str, budget: int, steps: int) -> dict:
         if step > 1:  # the graphs exist from step 1's forward_backward on
             m = mbs[0].to("cuda")
             with torch.no_grad():
-                hs = [_graphed_forward(e.extra["cuda_graphs"], unwrapped(e.model[0]), mbs[0], m) for e in engines[:2]]
+                hs = [_graphed_forward(e.graphs, unwrapped(e.model[0]), mbs[0], m) for e in engines[:2]]
             res["equal_hidden"].append(bool(torch.equal(hs[0], hs[1])))
         gs, losses = [], []
         for e in engines:
@@ -191,12 +191,12 @@ def test_enable_graphs_logs_the_fallback_reason(caplog):
     from model_bridge.config import ParallelLayout
 
     engine = SimpleNamespace(layout=ParallelLayout(), spec=SimpleNamespace(text=SimpleNamespace(head_dim=128)),
-                             dtype=torch.bfloat16, extra={"cuda_graphs": object()})
-    assert enable_graphs(engine, False, 4096) is None and "cuda_graphs" not in engine.extra
+                             dtype=torch.bfloat16, graphs=object(), graphs_fallback=None)
+    assert enable_graphs(engine, False, 4096) is None and engine.graphs is None
     with caplog.at_level(logging.INFO, logger="megatron_grpo.engine.graphs"):
         assert enable_graphs(engine, True, 4096, backend="local") is None
-    assert engine.extra["cuda_graphs_fallback"] == ("no CUDA device (graphs are a GPU feature)" if not
+    assert engine.graphs_fallback == ("no CUDA device (graphs are a GPU feature)" if not
                                                     torch.cuda.is_available() else
                                                     "layer-spec backend 'local': only the 'torch' backend's layers "
                                                     "run without host syncs")
-    assert caplog.messages == [f"trainer.cuda_graphs: micro-batches run eagerly: {engine.extra['cuda_graphs_fallback']}"]
+    assert caplog.messages == [f"trainer.cuda_graphs: micro-batches run eagerly: {engine.graphs_fallback}"]

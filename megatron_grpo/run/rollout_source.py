@@ -1,6 +1,7 @@
-"""Rank 0's side of the loop: the vLLM server(s), the multi-turn rollout engine, the weight push.
+"""Where each step's trajectories come from: rank 0's backend (the vLLM server(s), the multi-turn
+rollout engine, the weight push) and every rank's trajectory source.
 
-`open_side` / `open_feed` pick the live pair (RolloutSide, RolloutFeed) or, with
+`open_backend` / `open_source` pick the live pair (RolloutBackend, TrajectorySource) or, with
 ``rollout.server: replay``, the recording's (megatron_grpo/run/replay.py) behind the same interface.
 """
 from __future__ import annotations
@@ -29,25 +30,25 @@ def local_server_spec(cfg: TrainConfig):
                       extra_args=list(s.extra_args))
 
 
-def open_side(cfg: TrainConfig, run_dir: Path):
-    """Rank 0's side: a ReplaySide for ``rollout.server: replay``, else a RolloutSide."""
+def open_backend(cfg: TrainConfig, run_dir: Path):
+    """Rank 0's backend: a ReplayBackend for ``rollout.server: replay``, else a RolloutBackend."""
     if cfg.rollout.server == "replay":
-        from megatron_grpo.run.replay import ReplaySide
-        return ReplaySide(cfg, run_dir)
-    return RolloutSide(cfg, run_dir)
+        from megatron_grpo.run.replay import ReplayBackend
+        return ReplayBackend(cfg, run_dir)
+    return RolloutBackend(cfg, run_dir)
 
 
-def open_feed(cfg: TrainConfig, side, data, rank: int):
-    """Every rank's feed of trajectories (with advantages): replayed or rolled out."""
+def open_source(cfg: TrainConfig, backend, data, rank: int):
+    """Every rank's source of trajectories (with advantages): replayed or rolled out."""
     if cfg.rollout.server == "replay":
-        from megatron_grpo.run.replay import ReplayFeed
-        return ReplayFeed(side, data, rank)
+        from megatron_grpo.run.replay import ReplaySource
+        return ReplaySource(backend, data, rank)
     recorder = None
     if cfg.rollout.record_dir and rank == 0:
         from megatron_grpo.run.replay import Recorder
         recorder = Recorder(cfg)
-    return RolloutFeed(side, data, cfg.rollout.overlap, rank, variant=cfg.loss.variant, recorder=recorder,
-                       run_dir=cfg.trainer.run_dir)
+    return TrajectorySource(backend, data, cfg.rollout.overlap, rank, variant=cfg.loss.variant, recorder=recorder,
+                            run_dir=cfg.trainer.run_dir)
 
 
 def with_advantages(trajs, variant: str):
@@ -62,7 +63,7 @@ def with_advantages(trajs, variant: str):
     return [replace(trajs[i], advantage=float(adv.values_N[i])) for i in range(len(trajs)) if bool(adv.keep_N[i])]
 
 
-class RolloutSide:
+class RolloutBackend:
     """Starts (rollout.server == "local") or connects to the vLLM servers; rolls out; pushes."""
 
     def __init__(self, cfg: TrainConfig, run_dir: Path):
@@ -120,7 +121,7 @@ class RolloutSide:
             self.server.stop()
 
 
-class RolloutFeed:
+class TrajectorySource:
     """Where each step's trajectories come from, the same on every rank.
 
     Default: step k's prompts are rolled out (rank 0), then trained. With ``rollout.overlap``:
@@ -130,9 +131,9 @@ class RolloutFeed:
     position from before the prefetch, so a resume rolls that batch out again with its weights.
     """
 
-    def __init__(self, side, data, overlap: bool, rank: int, variant: str = "grpo", recorder=None,
+    def __init__(self, backend, data, overlap: bool, rank: int, variant: str = "grpo", recorder=None,
                  run_dir: str | Path = "."):
-        self.side, self.data, self.overlap, self.rank = side, data, overlap, rank
+        self.backend, self.data, self.overlap, self.rank = backend, data, overlap, rank
         self.run_dir = run_dir
         self.variant, self.recorder = variant, recorder
         self.pool = None
@@ -147,28 +148,33 @@ class RolloutFeed:
     def group_ids(step: int, n: int) -> list[int]:
         return [step * 10_000 + i for i in range(n)]
 
-    def take(self, step: int, to_ranks):
-        """(trajectories with advantages, extra metrics for rank 0's log) of `step`; with a recorder,
-        rank 0 saves exactly those trajectories (rollout.record_dir). ``to_ranks`` hands rank 0's
-        list (or a `RolloutFailed`, which every rank raises) to every rank: all of it on rank 0,
-        a rank's own micro-batches' samples elsewhere (`megatron_grpo.run.to_ranks.deliver`)."""
-        future, batch, failed = self.future, None, None
+    def rollout_and_score(self, step: int):
+        """Rank 0: `step`'s rolled-out batch with its rewards (the prefetched one with overlap), or
+        the `RolloutFailed` naming what went wrong (run/failures.py); None on the other ranks."""
+        future = self.future
         if self.prefetched_rows is not None:
             rows, self.prefetched_rows, self.state_before_prefetch = self.prefetched_rows, None, None
             self.future = None
         else:
             rows = self.data.next_batch()
-        if self.rank == 0:
-            try:
-                batch = future.result() if future is not None else self.side.rollout(
-                    rows, self.group_ids(step, len(rows)))
-            except Exception as e:  # noqa: BLE001 - every rank stops with one line (run/failures.py)
-                failed = rollout_failure(e, self.run_dir)
-        if self.rank == 0 and failed is None:
-            payload = with_advantages(batch.trajectories, self.variant)
-        else:
-            payload = failed
-        trajs = to_ranks(payload)  # this rank's share of the step (run/to_ranks.py)
+        if self.rank != 0:
+            return None
+        try:
+            if future is not None:
+                return future.result()
+            return self.backend.rollout(rows, self.group_ids(step, len(rows)))
+        except Exception as e:  # noqa: BLE001 - every rank stops with one line (run/failures.py)
+            return rollout_failure(e, self.run_dir)
+
+    def advantages(self, step: int, batch, to_ranks):
+        """(this rank's trajectories with advantages, extra metrics for rank 0's log) of `step`: rank 0
+        fills in the advantages (filtered samples dropped) and ``to_ranks`` hands every rank its share
+        (all of it on rank 0, a rank's own micro-batches' samples elsewhere: run/to_ranks.py); a
+        rollout failure is raised on every rank. With a recorder, rank 0 saves exactly those
+        trajectories (rollout.record_dir)."""
+        failed = batch if isinstance(batch, RolloutFailed) else None
+        payload = with_advantages(batch.trajectories, self.variant) if self.rank == 0 and failed is None else failed
+        trajs = to_ranks(payload)
         if isinstance(trajs, RolloutFailed):
             raise trajs
         if self.recorder is not None:
@@ -182,7 +188,7 @@ class RolloutFeed:
         self.state_before_prefetch = self.data.state_dict()
         self.prefetched_rows = self.data.next_batch()
         if self.rank == 0:
-            self.future = self.pool.submit(self.side.rollout, self.prefetched_rows,
+            self.future = self.pool.submit(self.backend.rollout, self.prefetched_rows,
                                            self.group_ids(next_step, len(self.prefetched_rows)))
 
     def settle(self) -> None:
@@ -195,7 +201,7 @@ class RolloutFeed:
         from megatron_grpo.weight_sync.gather import export_to_rank0
 
         weights = export_to_rank0(model)
-        self.side.push(weights, version) if self.rank == 0 else sum(1 for _ in weights)
+        self.backend.push(weights, version) if self.rank == 0 else sum(1 for _ in weights)
 
     def data_state(self) -> dict:
         """The data position to checkpoint: before any prefetched batch."""

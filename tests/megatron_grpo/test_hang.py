@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from megatron_grpo.guard import (HANG_EXIT_CODE, ScheduleMismatchError, StepSchedule, Watchdog, check_schedule,
+from megatron_grpo.hang import (HANG_EXIT_CODE, ScheduleMismatchError, StepSchedule, Watchdog, check_schedule,
                                  note_collective)
 from model_bridge.spawn import run_ranks
 
@@ -123,7 +123,7 @@ def test_schedule_mismatch_raises_clear_error_on_every_rank():
 
 
 def _launch(args: list[str], world: int, timeout: float) -> list[tuple[int, str]]:
-    """Start ``python test_guard.py *args`` as ``world`` torchrun-style ranks; wait for all of them to
+    """Start ``python test_hang.py *args`` as ``world`` torchrun-style ranks; wait for all of them to
     exit on their own (nobody is killed early, unlike run_ranks); [(exit code, output)] by rank."""
     import os
     import signal
@@ -221,11 +221,11 @@ def test_first_step_timeout_and_heartbeat(tmp_path):
 
 
 def test_step_schedule_validation_and_from_microbatches():
-    from megatron_grpo.packing import PackingConfig, build_microbatch, empty_microbatch
+    from megatron_grpo.packing import PackLimits, build_microbatch, empty_microbatch
 
     with pytest.raises(ValueError, match="3 micro-batches but 2 token counts"):
         StepSchedule(1, 3, (4, 4))
-    cfg = PackingConfig(max_tokens_per_microbatch=16, pad_multiple=4)
+    cfg = PackLimits(max_tokens_per_microbatch=16, pad_multiple=4)
     mbs = [build_microbatch([0], [[1, 2, 3, 4, 5]], [[0, 0, 1, 1, 1]], cfg), empty_microbatch(cfg)]
     s = StepSchedule.from_microbatches(3, mbs)
     assert s == StepSchedule(3, 2, (8, 4), (0, 0))
