@@ -144,7 +144,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
         step_cfg = StepConfig(loss=cfg.loss, importance=cfg.importance,
                               max_consecutive_skips=cfg.trainer.max_consecutive_skips,
                               logprob_chunk_size=cfg.trainer.logprob_chunk_size,
-                              fused_lm_head=cfg.trainer.fused_lm_head)
+                              fused_lm_head=cfg.trainer.fused_lm_head,
+                              routing_replay=cfg.rollout.routing_replay or None)
         logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, plot=cfg.logging.plot) if rank == 0 else None
         feed = open_feed(cfg, side, data, rank)  # rollout.server replay: a recording's steps, no server, no push
 
@@ -186,7 +187,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
                     t0 = time.monotonic()
                     plan = plan_step([t.num_tokens for t in trajs], dp_size, packing)  # 3. pack
                     mbs = build_train_microbatches(trajs, plan, dp_rank, packing, feature_extractor=features,
-                                                   n_window=engine.spec.audio.n_window)
+                                                   n_window=engine.spec.audio.n_window,
+                                                   routes=cfg.rollout.routing_replay == "r3")
                     check_schedule(StepSchedule.from_microbatches(step, mbs))
                     with wd.collective("train_step"):                           # 4. train
                         train_metrics = train_step(engine, mbs, step_cfg, step=step)

@@ -1,10 +1,11 @@
 """Routed-expert capture (R3) cost on a vLLM server: time per generated token with and without
 ``--enable-return-routed-experts`` (on CPU our worker extension's capture, `megatron_grpo.rollout.vllm_routes`).
 
-Both servers serve the same checkpoint with the same arguments, one after the other; each gets a
-warm-up request, then ``--requests`` sequential requests of a ``--prompt``-token prompt generating
-exactly ``--tokens`` tokens (``ignore_eos``), the R3 server returning their routes. Written to
-``--out/routes.json``: seconds per generated token of each and the overhead per generated token.
+Both servers serve the same checkpoint with the same arguments and run at once; each gets a warm-up
+request, then ``--requests`` requests each, alternating between them one at a time (so both see the
+same machine load), of a ``--prompt``-token prompt generating exactly ``--tokens`` tokens
+(``ignore_eos``), the R3 server returning their routes. Written to ``--out/routes.json``: seconds
+per generated token of every request, their medians and the overhead per generated token.
 
     mgrpo bench routes --model DIR [--requests 8] [--prompt 256] [--tokens 64] [--out bench_results/routes]
 """
@@ -19,39 +20,55 @@ import time
 from pathlib import Path
 
 
-def _time_server(model: str, routes: bool, requests: int, prompt: int, tokens: int, dtype: str) -> dict:
+async def _one(client, url: str, routes: bool, i: int, prompt: int, tokens: int) -> float:
+    """Seconds of one request (distinct prompt: no prefix-cache hits) generating exactly ``tokens``."""
+    ids = [10 + (7 * i + j) % 400 for j in range(prompt)]
+    t0 = time.perf_counter()
+    r = await client.generate(ids, [], max_tokens=tokens, temperature=1.0, seed=i, prefer=url,
+                              extra_sampling_params={"ignore_eos": True, "min_tokens": tokens},
+                              routed_experts_prompt_start=0 if routes else None)
+    secs = time.perf_counter() - t0
+    if r.url != url or len(r.token_ids) != tokens:
+        raise RuntimeError(f"request {i} went to {r.url} with {len(r.token_ids)} tokens, wanted {url} with {tokens}")
+    if routes and (r.routed_experts is None or r.routed_experts.shape[0] != prompt + tokens - 1):
+        raise RuntimeError(f"the R3 server returned routes {getattr(r.routed_experts, 'shape', None)}")
+    return secs
+
+
+def run_bench(model: str, out_dir, requests: int = 8, prompt: int = 256, tokens: int = 64, dtype: str = "auto") -> dict:
+    """Both servers up at once, requests alternating between them (the same machine load for
+    both); the medians of seconds per generated token."""
+    import contextlib
+    import statistics
+
     from megatron_grpo.rollout.client import RolloutClient
     from megatron_grpo.rollout.config import RolloutConfig
     from megatron_grpo.rollout.server import ServerSpec, VLLMServer
 
-    spec = ServerSpec(model=model, served_model_name="bench", dtype=dtype, return_routed_experts=routes)
-    log = Path(tempfile.gettempdir()) / f"mgrpo-bench-routes-{spec.port}.log"
-    with VLLMServer(spec, log).start(timeout=1800) as server:
+    with contextlib.ExitStack() as stack:
+        urls = {}
+        for routes in (False, True):
+            spec = ServerSpec(model=model, served_model_name="bench", dtype=dtype, return_routed_experts=routes)
+            log = Path(tempfile.gettempdir()) / f"mgrpo-bench-routes-{spec.port}.log"
+            urls[routes] = stack.enter_context(VLLMServer(spec, log).start(timeout=1800)).url
+
         async def go():
-            async with RolloutClient(RolloutConfig(server_urls=[server.url], max_retries=0)) as c:
-                async def one(i):
-                    ids = [10 + (7 * i + j) % 400 for j in range(prompt)]  # distinct prompts: no cache hits
-                    r = await c.generate(ids, [], max_tokens=tokens, temperature=1.0, seed=i,
-                                         extra_sampling_params={"ignore_eos": True, "min_tokens": tokens},
-                                         routed_experts_prompt_start=0 if routes else None)
-                    if routes and (r.routed_experts is None or r.routed_experts.shape[0] != prompt + tokens - 1):
-                        raise RuntimeError(f"R3 server returned routes {getattr(r.routed_experts, 'shape', None)}")
-                    return len(r.token_ids)
-                await one(10_000)  # warm-up
-                t0 = time.perf_counter()
-                n = sum([await one(i) for i in range(requests)])
-                return time.perf_counter() - t0, n
-        secs, n = asyncio.run(go())
-    return {"routes": routes, "seconds": secs, "generated_tokens": n, "s_per_token": secs / n}
-
-
-def run_bench(model: str, out_dir, requests: int = 8, prompt: int = 256, tokens: int = 64, dtype: str = "auto") -> dict:
-    runs = [_time_server(model, r, requests, prompt, tokens, dtype) for r in (False, True)]
-    base, r3 = runs
-    res = {"model": model, "requests": requests, "prompt_tokens": prompt, "generated_per_request": tokens,
-           "runs": runs, "overhead_ms_per_generated_token": 1e3 * (r3["s_per_token"] - base["s_per_token"]),
-           "overhead_fraction": r3["s_per_token"] / base["s_per_token"] - 1.0,
-           "note": "per generated token, prompt prefill included (one prefill per request)"}
+            times = {False: [], True: []}
+            cfg = RolloutConfig(server_urls=list(urls.values()), max_retries=0, affinity_slack=10**6)
+            async with RolloutClient(cfg) as c:
+                for routes, url in urls.items():
+                    await _one(c, url, routes, 10_000, prompt, tokens)  # warm-up
+                for i in range(requests):
+                    for routes, url in urls.items():
+                        times[routes].append(await _one(c, url, routes, 2 * i + routes, prompt, tokens) / tokens)
+            return times
+        times = asyncio.run(go())
+    base, r3 = statistics.median(times[False]), statistics.median(times[True])
+    res = {"model": model, "dtype": dtype, "requests": requests, "prompt_tokens": prompt,
+           "generated_per_request": tokens, "s_per_generated_token": {"without": times[False], "with_routes": times[True]},
+           "median_s_per_generated_token": {"without": base, "with_routes": r3},
+           "overhead_ms_per_generated_token": 1e3 * (r3 - base), "overhead_fraction": r3 / base - 1.0,
+           "note": "per generated token, the request's prompt prefill included; requests alternate between the servers"}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "routes.json").write_text(json.dumps(res, indent=1))
@@ -60,7 +77,7 @@ def run_bench(model: str, out_dir, requests: int = 8, prompt: int = 256, tokens:
 
 def _cmd(args) -> int:
     res = run_bench(args.model, args.out, args.requests, args.prompt, args.tokens, args.dtype)
-    print(json.dumps({k: v for k, v in res.items() if k != "runs"}, indent=1))
+    print(json.dumps({k: v for k, v in res.items() if k != "s_per_generated_token"}, indent=1))
     return 0
 
 

@@ -344,9 +344,13 @@ def test_stitch_routed_experts():
         stitch_routed_experts([t1, t2], total_tokens=14)
 
 
-def test_routing_replay_not_implemented_and_config_checks():
-    with pytest.raises(NotImplementedError, match="Megatron router does not replay them yet"):
-        RolloutConfig(routing_replay=True, return_routed_experts=True)
+def test_routing_replay_and_config_checks():
+    assert RolloutConfig(routing_replay=True, return_routed_experts=True).routing_replay == "r3"
+    assert RolloutConfig(routing_replay="r2").routing_replay == "r2"
+    with pytest.raises(ValueError, match="set rollout.return_routed_experts=true too"):
+        RolloutConfig(routing_replay="r3")
+    with pytest.raises(ValueError, match="must be false, true \\(= r3\\), r3 or r2, got 'r1'"):
+        RolloutConfig(routing_replay="r1")
     with pytest.raises(ValueError, match="rollout.on_error must be one of"):
         RolloutConfig(on_error="ignore")
     with pytest.raises(ValueError, match="unknown key rollout.max_turn; did you mean rollout.max_turns"):
