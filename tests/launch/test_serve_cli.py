@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from megatron_grpo.cli import build_parser, main
-from megatron_grpo.rollout.serve_cli import RemoteBindRefused, check_bind
+from launch.cli import build_parser, main
+from launch.serve_cli import RemoteBindRefused, check_bind
 from megatron_grpo.rollout.server import (
     AUTH_MIDDLEWARE,
     DEFAULT_WORKER_EXTENSION,
@@ -79,7 +79,7 @@ def test_auto_dtype_is_the_trainers(monkeypatch):
     checkpoint on CPU); an explicit dtype passes through."""
     import torch
 
-    from megatron_grpo.rollout.serve_cli import resolve_dtype
+    from launch.serve_cli import resolve_dtype
 
     assert resolve_dtype("float16") == "float16"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -147,7 +147,7 @@ def test_api_key_guards_dev_routes(monkeypatch):
 def test_tensor_parallel_size_that_does_not_fit_the_heads_fails_before_vllm(capsys, tiny_ckpt):
     """The tiny checkpoint has 4 query and 2 key/value heads: --tp 3 (and 8, more ranks than
     query heads) cannot shard it; the message names the sizes that can."""
-    from megatron_grpo.rollout.serve_cli import check_serving_layout
+    from launch.serve_cli import check_serving_layout
 
     for tp in (1, 2, 4):
         check_serving_layout(str(tiny_ckpt), tp, 1)
