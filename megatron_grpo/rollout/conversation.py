@@ -186,7 +186,10 @@ def _commit_turn(ctx: RolloutContext, state: RolloutState, res: GenerateResult) 
                 ctx.warned.add("r3")
             state.routed_rows = None
         else:
-            state.routed_rows.append(np.asarray(res.routed_experts))
+            # rows for the positions [covered so far, prompt + kept ids - 1): a cut turn (above)
+            # drops the rows of the ids it drops
+            keep = len(state.input_ids) + len(ids) - 1 - sum(r.shape[0] for r in state.routed_rows)
+            state.routed_rows.append(np.asarray(res.routed_experts)[:max(keep, 0)])
     state.input_ids.extend(ids)
     state.loss_mask.extend([1] * len(ids))
     state.logprobs.extend(lps)

@@ -79,12 +79,12 @@ def _rank_scores(hf_dir: str, samples: list[dict]) -> dict:
         def score(replay: bool) -> dict:
             with torch.no_grad(), replay_scope(RouteReplay(routes) if replay else None) as rp:
                 logits = gather_logits(model(ids, pos, psp, audio_features=None, audio_feature_lens=None),
-                                       spec.text.vocab_size)[0].double()
+                                       spec.text.vocab_size).double()
             lp = torch.log_softmax(logits[gen], -1).gather(1, ids[0, gen + 1].unsqueeze(1)).squeeze(1)
             delta = lp - server_lp  # log(trainer / server) per generated token
             own_TLK = torch.stack([chosen[l].nonzero()[:, 1].view(T, k) for l in range(L)], 1)
             same = (own_TLK.sort(-1).values == routes.long().sort(-1).values).all(-1)
-            return {"kl_k3": float((torch.exp(-delta) + delta - 1).mean()),  # k3 of KL(server || trainer)
+            return {"kl_k3": float((torch.exp(delta) - delta - 1).mean()),  # k3 of KL(server || trainer)
                     "match": float(same[has].float().mean()), "counts": rp.counts() if rp else None}
 
         res = {"base": score(False), "pairs_with_rows": int(has.sum()), "pairs": T * L}
