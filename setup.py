@@ -40,5 +40,5 @@ setup(
         "gpu": ["vllm>=0.32"],  # transformer-engine is optional: used when importable
         "dev": ["pytest", "pytest-timeout"],
     },
-    entry_points={"console_scripts": ["mgrpo=megatron_grpo.cli:main"]},
+    entry_points={"console_scripts": ["mgrpo=launch.cli:main"]},
 )

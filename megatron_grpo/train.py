@@ -125,7 +125,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
     cfg = _broadcast(cfg)  # every rank sees the resolved paths
     layout = ParallelLayout(tp=p.tp, ep=p.ep, etp=p.etp, pp=p.pp)
     dtype = train_dtype(cfg)  # the local vLLM server gets the same (config.serve_dtype)
-    _exit_on_sigterm()  # before the loop a SIGTERM (spawn_ranks stopping us) must still run the cleanup
+    _exit_on_sigterm()  # before the loop a SIGTERM (the rank spawner stopping us) must still run the cleanup
     side = open_side(cfg, run_dir) if rank == 0 else None  # vLLM starts while ranks build the model
     try:  # until the loop's `finally` takes over, an error must not leave the local server running
         engine = build_engine(cfg.model.hf_dir, layout, cfg.optimizer, dtype=dtype, backend=cfg.model.backend,

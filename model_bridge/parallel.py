@@ -103,7 +103,9 @@ def init_parallel(tp: int = 1, ep: int = 1, etp: int | None = None, pp: int = 1,
             torch.cuda.set_device(_env_int("LOCAL_RANK", rank % torch.cuda.device_count()))
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if world_size == 1:
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            from model_bridge.spawn import free_port
+
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
                                 timeout=timedelta(minutes=timeout_minutes))
 
@@ -141,11 +143,3 @@ def destroy_parallel(destroy_process_group: bool = True) -> None:
         ps.destroy_model_parallel()
     if destroy_process_group and dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

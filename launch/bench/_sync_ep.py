@@ -194,7 +194,7 @@ def _ep_rank_main(opts: dict) -> dict:
 def _body(run: _Run) -> dict:  # noqa: C901 - one linear sequence of phases, the same on every process
     import torch
 
-    from megatron_grpo.testing.dist import free_port
+    from model_bridge.spawn import free_port
     from megatron_grpo.weight_sync.direct import DirectPlan, local_buckets, p2p_group, recv_direct, send_direct, warm_up
     from model_bridge.config import parse_omni_config
     from model_bridge.parallel import destroy_parallel, init_parallel
@@ -482,7 +482,7 @@ def _checks(ctrl: _Ctrl, n: int, plan) -> dict:
 
 def run_bench_ep(opts: dict, timeout_s: float) -> tuple[dict, list[dict]]:
     """Spawn the N + 1 processes; rank 0's result dict and every process's own return value."""
-    from megatron_grpo.testing.dist import run_ranks
+    from model_bridge.spawn import run_ranks
 
     env = {"CUDA_VISIBLE_DEVICES": ""} if opts["device"] == "cpu" else None
     values = run_ranks(_ep_rank_main, opts["ep"] + 1, opts, timeout=timeout_s, env=env)

@@ -81,7 +81,7 @@ def _trainer_pass(model, spec, plan, tr, device, bucket_bytes: int, serial: bool
 def _trainer(opts: dict, ctrl: _Ctrl) -> dict:
     import torch
 
-    from megatron_grpo.testing.dist import free_port
+    from model_bridge.spawn import free_port
     from megatron_grpo.weight_sync.buckets import iter_buckets
     from model_bridge.config import ParallelLayout, parse_omni_config
     from model_bridge.export import export_plan

@@ -215,8 +215,8 @@ class RssSampler(threading.Thread):
 
 
 def _run_cli(argv: list[str], stats_json: Path, log: Path) -> dict:
-    """Run ``python -m megatron_grpo.cli ARGV --stats-json F`` and measure it."""
-    cmd = [sys.executable, "-m", "megatron_grpo.cli", *argv, "--stats-json", str(stats_json)]
+    """Run ``python -m launch.cli ARGV --stats-json F`` and measure it."""
+    cmd = [sys.executable, "-m", "launch.cli", *argv, "--stats-json", str(stats_json)]
     env = dict(os.environ, PYTHONWARNINGS="ignore", TQDM_MININTERVAL="2")
     t0 = time.perf_counter()
     with open(log, "w") as f:

@@ -134,7 +134,7 @@ def run_bench(out_dir, layers: int = 2, tokens: int | None = None, ep: int = 1, 
     return the JSON's content. ``--ep N`` > 1: the EP1 baseline (one rank, GPU 0) then the N-rank run."""
     import torch
 
-    from megatron_grpo.testing.dist import run_ranks
+    from model_bridge.spawn import run_ranks
 
     if dtype not in _DTYPES:
         raise SystemExit(f"--dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")

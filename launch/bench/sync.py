@@ -146,7 +146,7 @@ def run_bench(out_dir, layers: int = 48, audio_layers: int = 32, bucket_mb: int 
     (module docstring, "--ep N"), ``hang_timeout_s`` its per-phase watchdog limit."""
     import torch
 
-    from megatron_grpo.testing.dist import run_ranks
+    from model_bridge.spawn import run_ranks
     from megatron_grpo.weight_sync.buckets import CPU_BUCKET_BYTES, GPU_BUCKET_BYTES
 
     out = Path(out_dir)

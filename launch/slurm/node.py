@@ -159,7 +159,7 @@ def _serve(args: argparse.Namespace, rest: list[str]) -> int:
     host = socket.gethostname().split(".")[0]
     servers = Path(args.servers_dir)
     servers.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "megatron_grpo.cli", "serve", "--host", addr, "--allow-remote",
+    argv = [sys.executable, "-m", "launch.cli", "serve", "--host", addr, "--allow-remote",
             "--url-file", str(servers / f"{host}.url"),
             "--log", str(Path(args.log_dir) / f"vllm-{host}.log"), *rest]
     print(f"[rollout] {host}: serving on {addr}: {' '.join(argv[3:])}", flush=True)

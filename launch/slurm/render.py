@@ -188,7 +188,7 @@ def check_model(cfg, plan: SlurmPlan) -> Optional[str]:
     from model_bridge.config import ConfigError, ParallelLayout, check_layout, read_omni_config
 
     p = cfg.parallel
-    from megatron_grpo.rollout.serve_cli import check_serving_layout
+    from launch.serve_cli import check_serving_layout
 
     try:
         check_layout(read_omni_config(hf), ParallelLayout(tp=p.tp, ep=p.ep, etp=p.etp, pp=p.pp),

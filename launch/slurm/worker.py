@@ -14,7 +14,7 @@ import sys  # noqa: E402
 
 
 def main() -> int:
-    from megatron_grpo.cli import main as mgrpo_main
+    from launch.cli import main as mgrpo_main
 
     return mgrpo_main(sys.argv[1:])
 

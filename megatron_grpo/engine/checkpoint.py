@@ -49,15 +49,17 @@ import logging
 import os
 import pickle
 import random
-import re
 import shutil
 import time
-import warnings
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 import torch
+
+from model_bridge.dist_ckpt.runs import (CHECKPOINT_FORMAT, DEL_PREFIX, LATEST_FILE, META_FILE, TMP_PREFIX,
+                                         checkpoint_root, find_latest_checkpoint, list_checkpoints, read_run_meta,
+                                         step_dirname, warn_checkpoint)
 
 __all__ = ["save_checkpoint", "load_checkpoint", "find_latest_checkpoint", "list_checkpoints",
            "checkpoint_root", "CheckpointError", "rng_state", "set_rng_state", "CHECKPOINT_FORMAT",
@@ -65,84 +67,11 @@ __all__ = ["save_checkpoint", "load_checkpoint", "find_latest_checkpoint", "list
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_FORMAT = "megatron-grpo/1"
-META_FILE = "mgrpo_checkpoint.json"
-LATEST_FILE = "latest"
 DEFAULT_OPTIMIZER_SHARDING = "dp_reshardable"
-_STEP_RE = re.compile(r"^step_(\d{8,})$")
-_TMP_PREFIX = ".tmp-"
-_DEL_PREFIX = ".del-"
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be saved or loaded; raised on every rank."""
-
-
-# ------------------------------------------------------------------------------------------------
-# directory helpers (no collectives)
-# ------------------------------------------------------------------------------------------------
-
-
-def checkpoint_root(run_dir: os.PathLike | str) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
-def step_dirname(step: int) -> str:
-    return f"step_{int(step):08d}"
-
-
-def _read_meta(path: Path) -> Optional[dict]:
-    try:
-        meta = json.loads((path / META_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT or "step" not in meta:
-        return None
-    return meta
-
-
-def list_checkpoints(run_dir: os.PathLike | str) -> list[tuple[int, Path]]:
-    """Complete checkpoints ``(step, path)`` under ``run_dir``, oldest first."""
-    root = checkpoint_root(run_dir)
-    out = []
-    if not root.is_dir():
-        return out
-    for p in root.iterdir():
-        m = _STEP_RE.match(p.name)
-        if m and p.is_dir() and _read_meta(p) is not None:
-            out.append((int(m.group(1)), p))
-    return sorted(out)
-
-
-def find_latest_checkpoint(run_dir: os.PathLike | str, *, warn: bool = True) -> Optional[Path]:
-    """The checkpoint to resume from (see the module doc), or None. Local: no collective."""
-    root = checkpoint_root(run_dir)
-    if not root.is_dir():
-        return None
-    if warn:
-        for p in sorted(root.iterdir()):
-            if p.name.startswith(_TMP_PREFIX):
-                _warn(f"ignoring incomplete checkpoint {p} (a save that did not finish)")
-            elif _STEP_RE.match(p.name) and p.is_dir() and _read_meta(p) is None:
-                _warn(f"ignoring {p}: it has no valid {META_FILE}, so it is not a complete checkpoint")
-    good = list_checkpoints(run_dir)
-    marker = root / LATEST_FILE
-    if marker.exists():
-        name = marker.read_text().strip()
-        cand = root / name
-        if _STEP_RE.match(name) and _read_meta(cand) is not None:
-            return cand
-        if warn:
-            _warn(f"{marker} names {name!r}, which is not a complete checkpoint; "
-                  + (f"using the newest complete one, {good[-1][1].name}" if good else "no complete checkpoint found"))
-    elif good and warn:
-        _warn(f"{marker} is missing; using the newest complete checkpoint, {good[-1][1].name}")
-    return good[-1][1] if good else None
-
-
-def _warn(msg: str) -> None:
-    log.warning(msg)
-    warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -386,7 +315,7 @@ def _fsync_dir(path: Path) -> None:
 
 def _remove_dir(path: Path) -> None:
     """Rename out of the way first (a half-deleted checkpoint never looks complete), then delete."""
-    trash = path.with_name(f"{_DEL_PREFIX}{path.name}-{os.getpid()}-{time.monotonic_ns()}")
+    trash = path.with_name(f"{DEL_PREFIX}{path.name}-{os.getpid()}-{time.monotonic_ns()}")
     try:
         os.rename(path, trash)
     except OSError:
@@ -399,7 +328,7 @@ def _rotate(root: Path, keep_last: Optional[int], newest: Path) -> list[Path]:
     trash directories. Rank 0, after ``newest`` is complete and ``latest`` names it."""
     removed = []
     for p in root.iterdir():
-        if p.is_dir() and (p.name.startswith(_DEL_PREFIX) or p.name.startswith(_TMP_PREFIX)):
+        if p.is_dir() and (p.name.startswith(DEL_PREFIX) or p.name.startswith(TMP_PREFIX)):
             shutil.rmtree(p, ignore_errors=True)
     if not keep_last or keep_last < 1:
         return removed
@@ -429,7 +358,7 @@ def save_checkpoint(run_dir: os.PathLike | str, step: int, model_chunks, optimiz
     step = int(step)
     root = checkpoint_root(run_dir)
     final = root / step_dirname(step)
-    tmp = root / f"{_TMP_PREFIX}{final.name}"
+    tmp = root / f"{TMP_PREFIX}{final.name}"
     rank, world = _rank(), _world()
     t0 = time.monotonic()
 
@@ -512,7 +441,7 @@ def load_checkpoint(run_dir: os.PathLike | str, model_chunks, optimizer, schedul
         try:
             chosen = str(path) if path is not None else find_latest_checkpoint(run_dir)
             chosen = None if chosen is None else str(chosen)
-            if chosen is not None and _read_meta(Path(chosen)) is None:
+            if chosen is not None and read_run_meta(Path(chosen)) is None:
                 raise CheckpointError(f"{chosen} is not a complete megatron-grpo checkpoint (no valid {META_FILE})")
         except BaseException as e:  # noqa: BLE001
             error = e
@@ -526,7 +455,7 @@ def load_checkpoint(run_dir: os.PathLike | str, model_chunks, optimizer, schedul
     result = (0, None)
     with collective(f"load_checkpoint({ckpt.name})"):
         try:
-            meta = _read_meta(ckpt)
+            meta = read_run_meta(ckpt)
             if meta is None:
                 raise CheckpointError(f"{ckpt}: cannot read {META_FILE} on rank {_rank()} (shared file system?)")
             chunks = _chunks(model_chunks)
@@ -565,8 +494,9 @@ def load_checkpoint(run_dir: os.PathLike | str, model_chunks, optimizer, schedul
                 if same_world:
                     set_rng_state(rank_state["rng"])
                 elif _rank() == 0:
-                    _warn(f"{ckpt} was saved by {saved_world} ranks, this run has {_world()}: RNG states are not "
-                          "restored (the resumed run is not bit-identical) and every rank gets rank 0's extra state")
+                    warn_checkpoint(f"{ckpt} was saved by {saved_world} ranks, this run has {_world()}: RNG "
+                                    "states are not restored (the resumed run is not bit-identical) and every rank "
+                                    "gets rank 0's extra state")
             result = (int(loaded["mgrpo"]["step"]), rank_state["extra"])
         except BaseException as e:  # noqa: BLE001
             error = e

@@ -10,11 +10,11 @@ sequence when sequence parallelism is on: ``OmniThinker.forward(return_hidden=Tr
 ``W [Vl, H]`` (this rank's shard of the output layer's weight, the ``ColumnParallelLinear``
 ``weight``). Per chunk of ``c`` rows the forward computes ``x = h[rows] @ W[:n_real].T`` in the
 compute dtype (the model's: bf16 under ``Float16Module``), upcasts to float32 and runs the very same
-per-chunk statistics and TP all-reduces as the logits path (``engine.logprobs._chunk_stats``: max,
+per-chunk statistics and TP all-reduces as the logits path (``engine.logprob_chunks.chunk_stats``: max,
 sum-exp, entropy, target logit). Vocab padding columns never enter (only ``W[:n_real]`` is used).
 
 Backward recomputes the chunk's logits, forms ``dx = d loss / d x`` ``[c, n_real]`` with the logits
-path's formula (``engine.logprobs._chunk_dlogits``), casts it to the compute dtype (as the logits
+path's formula (``engine.logprob_chunks.chunk_dlogits``), casts it to the compute dtype (as the logits
 path's bf16 logits gradient) and accumulates::
 
     dh[rows] += dx @ W[:n_real]          (h's dtype)
@@ -37,7 +37,7 @@ from typing import Optional
 
 import torch
 
-from .logprobs import DEFAULT_CHUNK_TOKENS, _check_chunk, _chunk_dlogits, _chunk_stats, _prepare
+from .logprob_chunks import DEFAULT_CHUNK_TOKENS, backward_chunks, check_chunk, finish_forward, forward_chunks, prepare
 
 __all__ = ["fused_vocab_parallel_logprobs"]
 
@@ -54,54 +54,30 @@ class _FusedLMHeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h_TH, w_VH, rows_R, targets_R, vocab_start, n_real, group, tp_size, chunk, with_entropy):
-        R = rows_R.shape[0]
-        dev = h_TH.device
         ct = torch.promote_types(h_TH.dtype, torch.float32)
-        logp_R = torch.empty(R, dtype=ct, device=dev)
-        logz_R = torch.empty(R, dtype=ct, device=dev)
-        ent_R = torch.empty(R, dtype=ct, device=dev)
-        local_t_R = targets_R - vocab_start
-        owned_R = (local_t_R >= 0) & (local_t_R < n_real)
-        local_t_R = torch.where(owned_R, local_t_R, torch.zeros_like(local_t_R))
         w_real = w_VH[:n_real]
-        for s in range(0, R, chunk):
-            e = min(R, s + chunk)
-            x = _chunk_logits(h_TH, w_real, rows_R[s:e], ct)  # [c, n_real] (n_real may be 0)
-            logp_R[s:e], logz_R[s:e], ent_R[s:e] = _chunk_stats(x, local_t_R[s:e], owned_R[s:e], group, tp_size,
-                                                               with_entropy)
-            del x
+        logp_R, logz_R, ent_R, local_t_R, owned_R = forward_chunks(
+            lambda rows: _chunk_logits(h_TH, w_real, rows, ct), rows_R, targets_R, vocab_start, n_real, group,
+            tp_size, chunk, with_entropy, ct)
         ctx.save_for_backward(h_TH, w_VH, rows_R, local_t_R, owned_R, logz_R, ent_R)
         ctx.n_real, ctx.chunk, ctx.with_entropy = n_real, chunk, with_entropy
-        if not with_entropy:
-            ent_R = torch.zeros_like(ent_R)
-        ctx.mark_non_differentiable(*(() if with_entropy else (ent_R,)))
-        return logp_R, ent_R
+        return finish_forward(ctx, logp_R, ent_R, with_entropy)
 
     @staticmethod
     def backward(ctx, g_logp_R, g_ent_R):
         h_TH, w_VH, rows_R, local_t_R, owned_R, logz_R, ent_R = ctx.saved_tensors
-        n_real, chunk = ctx.n_real, ctx.chunk
+        n_real = ctx.n_real
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         use_ent = ctx.with_entropy and g_ent_R is not None
-        R = rows_R.shape[0]
         ct = logz_R.dtype
         acc = torch.promote_types(w_VH.dtype, torch.float32)
         dh = torch.zeros_like(h_TH) if need_h else None
         dw = torch.zeros(w_VH.shape, dtype=acc, device=w_VH.device) if need_w else None
-        if g_logp_R is None:
-            g_logp_R = torch.zeros(R, dtype=ct, device=h_TH.device)
-        g_logp_R = g_logp_R.to(ct)
-        if use_ent:
-            g_ent_R = g_ent_R.to(ct)
         w_real = w_VH[:n_real]
         if n_real > 0 and (need_h or need_w):
-            for s in range(0, R, chunk):
-                e = min(R, s + chunk)
-                rows = rows_R[s:e]
-                x = _chunk_logits(h_TH, w_real, rows, ct)
-                dx = _chunk_dlogits(x, logz_R[s:e], ent_R[s:e], g_logp_R[s:e], g_ent_R[s:e] if use_ent else None,
-                                    local_t_R[s:e], owned_R[s:e])
-                del x
+            for rows, dx in backward_chunks(lambda rows: _chunk_logits(h_TH, w_real, rows, ct), rows_R, local_t_R,
+                                            owned_R, logz_R, ent_R, g_logp_R, g_ent_R if use_ent else None,
+                                            ctx.chunk):
                 dx = dx.to(w_VH.dtype)  # the compute dtype, as the logits path's logits gradient
                 if need_h:
                     dh.index_add_(0, rows, torch.matmul(dx, w_real).to(dh.dtype))
@@ -140,9 +116,9 @@ def fused_vocab_parallel_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ta
                          f"{tuple(weight.shape)}")
     if not hidden.is_floating_point() or hidden.dtype != weight.dtype:
         raise TypeError(f"hidden and weight must share one floating dtype, got {hidden.dtype} and {weight.dtype}")
-    _check_chunk(chunk_size)
+    check_chunk(chunk_size)
     T, Vl = hidden.shape[0], weight.shape[0]
-    group, tp, vocab_start, n_real, rows, targets = _prepare(T, Vl, targets, rows, vocab_size, group, hidden.device,
+    group, tp, vocab_start, n_real, rows, targets = prepare(T, Vl, targets, rows, vocab_size, group, hidden.device,
                                                              "the output weight holds")
     logp, ent = _FusedLMHeadLogprobs.apply(hidden, weight, rows, targets, vocab_start, n_real, group, tp,
                                            int(chunk_size), bool(with_entropy))

@@ -31,8 +31,8 @@ Memory: the largest float32 temporaries are ``[c, Vl]`` (two of them at once); n
 Collectives: two per chunk in the forward (same count on every TP rank: the chunking is a function
 of ``R`` only), none in the backward.
 
-The per-chunk forward statistics (``_chunk_stats``) and backward formula (``_chunk_dlogits``) are
-shared with ``engine.fused_logprobs``, which multiplies each chunk's logits from the final hidden
+The per-chunk forward statistics, the backward formula and the chunk loops (``engine.logprob_chunks``)
+are shared with ``engine.fused_logprobs``, which multiplies each chunk's logits from the final hidden
 states and the output weight itself, so that neither the logits nor their gradient ever exist
 (``token_logprobs(..., lm_head_weight=W)``).
 
@@ -48,91 +48,10 @@ from typing import Optional
 
 import torch
 
+from .logprob_chunks import DEFAULT_CHUNK_TOKENS, backward_chunks, check_chunk, finish_forward, forward_chunks, prepare
+
 __all__ = ["DEFAULT_CHUNK_TOKENS", "vocab_parallel_logprobs", "token_logprobs", "segment_starts",
            "shift_right_within_samples"]
-
-DEFAULT_CHUNK_TOKENS = 1024
-"""Rows per chunk: 1024 x 152064 / tp float32 is 0.6 GB at tp=1, two such temporaries at once."""
-
-
-def _tp_info(group) -> tuple[int, int]:
-    """(size, rank) of ``group``; ``None`` means megatron's TP group if initialised, else (1, 0)."""
-    import torch.distributed as dist
-
-    if group is None:
-        try:
-            from megatron.core import parallel_state as ps
-
-            if ps.model_parallel_is_initialized():
-                group = ps.get_tensor_model_parallel_group()
-        except ImportError:  # pragma: no cover - megatron is a dependency
-            group = None
-    if group is None or not (dist.is_available() and dist.is_initialized()):
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
-
-
-def _resolve_group(group):
-    if group is not None:
-        return group
-    from megatron.core import parallel_state as ps
-
-    return ps.get_tensor_model_parallel_group()
-
-
-def _chunk_stats(x_cV: torch.Tensor, local_t_c: torch.Tensor, own_c: torch.Tensor, group, tp_size: int,
-                 with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Steps 1-3 of the module doc for one chunk: ``(logp [c], logZ [c], H [c])``.
-
-    ``x_cV``: ``[c, n_real]`` logits of the chunk's rows over this rank's *real* columns, in the
-    compute dtype, a fresh tensor (overwritten with ``x - m``); ``[c, 0]`` when all of this rank's
-    columns are padding. ``local_t_c``: the target's local column (0 where not owned), ``own_c``:
-    whether this rank owns it. Issues the two TP all-reduces (every rank, same order). ``H`` is
-    meaningless (``log S``) when ``with_entropy`` is off. Shared by the logits path and the fused
-    output-layer path (``engine.fused_logprobs``)."""
-    c, n_real = x_cV.shape
-    ct, dev = x_cV.dtype, x_cV.device
-    if n_real > 0:
-        m = x_cV.max(dim=-1).values
-    else:
-        m = torch.full((c,), float("-inf"), dtype=ct, device=dev)
-    if tp_size > 1:
-        torch.distributed.all_reduce(m, op=torch.distributed.ReduceOp.MAX, group=group)
-    x_cV.sub_(m[:, None])  # x - m
-    ex = torch.exp(x_cV)
-    stats = torch.empty(3, c, dtype=ct, device=dev)
-    stats[0] = ex.sum(dim=-1)
-    if with_entropy:
-        stats[1] = torch.bmm(ex.unsqueeze(1), x_cV.unsqueeze(2)).view(c)  # sum exp(x-m) * (x-m)
-    else:
-        stats[1] = 0.0
-    del ex
-    tgt = x_cV.gather(1, local_t_c[:, None]).view(c) if n_real > 0 else torch.zeros(c, dtype=ct, device=dev)
-    stats[2] = torch.where(own_c, tgt, torch.zeros_like(tgt))
-    if tp_size > 1:
-        torch.distributed.all_reduce(stats, group=group)
-    log_s = torch.log(stats[0])
-    return stats[2] - log_s, m + log_s, log_s - stats[1] / stats[0]
-
-
-def _chunk_dlogits(x_cV: torch.Tensor, logz_c: torch.Tensor, ent_c: torch.Tensor, g_logp_c: torch.Tensor,
-                   g_ent_c: Optional[torch.Tensor], local_t_c: torch.Tensor, own_c: torch.Tensor) -> torch.Tensor:
-    """The backward's formula (module doc) for one chunk: ``d loss / d x`` ``[c, n_real]`` in the
-    compute dtype, computed in place in ``x_cV`` (the chunk's recomputed real-column logits, a fresh
-    tensor, ``n_real > 0``). ``g_ent_c`` None: no entropy gradient. No communication."""
-    x_cV.sub_(logz_c[:, None])  # x - logZ = log p
-    p = torch.exp(x_cV)
-    gl = g_logp_c[:, None]
-    if g_ent_c is not None:
-        # grad = -p * (g_logp + g_H * (x - E_p[x])),  x - E_p[x] = (x - logZ) + H
-        x_cV.add_(ent_c[:, None]).mul_(g_ent_c[:, None]).add_(gl).mul_(p).neg_()
-    else:
-        x_cV = p.mul_(gl).neg_()
-    del p
-    onehot = torch.where(own_c, g_logp_c, torch.zeros_like(g_logp_c))
-    x_cV.scatter_add_(1, local_t_c[:, None], onehot[:, None])
-    return x_cV
-
 
 class _VocabParallelLogprobs(torch.autograd.Function):
     """logits [T, Vl] (local shard), rows [R], targets [R] -> (logprobs [R], entropy [R]) in float32
@@ -140,54 +59,25 @@ class _VocabParallelLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits_TV, rows_R, targets_R, vocab_start, n_real, group, tp_size, chunk, with_entropy):
-        R = rows_R.shape[0]
-        dev = logits_TV.device
         ct = torch.promote_types(logits_TV.dtype, torch.float32)  # fp32 math (fp64 for fp64 logits)
-        logp_R = torch.empty(R, dtype=ct, device=dev)
-        logz_R = torch.empty(R, dtype=ct, device=dev)
-        ent_R = torch.empty(R, dtype=ct, device=dev)
-        local_t_R = targets_R - vocab_start
-        owned_R = (local_t_R >= 0) & (local_t_R < n_real)
-        local_t_R = torch.where(owned_R, local_t_R, torch.zeros_like(local_t_R))
-        for s in range(0, R, chunk):
-            e = min(R, s + chunk)
-            rows = rows_R[s:e]
-            if n_real > 0:
-                # a fresh copy (index_select), so the in-place ops of _chunk_stats never touch the logits
-                x = logits_TV.index_select(0, rows)[:, :n_real].to(ct)
-            else:  # this rank's columns are all vocab padding
-                x = torch.empty(e - s, 0, dtype=ct, device=dev)
-            logp_R[s:e], logz_R[s:e], ent_R[s:e] = _chunk_stats(x, local_t_R[s:e], owned_R[s:e], group, tp_size,
-                                                               with_entropy)
-            del x
+        logp_R, logz_R, ent_R, local_t_R, owned_R = forward_chunks(
+            lambda rows: _real_logits(logits_TV, rows, n_real, ct), rows_R, targets_R, vocab_start, n_real, group,
+            tp_size, chunk, with_entropy, ct)
         ctx.save_for_backward(logits_TV, rows_R, local_t_R, owned_R, logz_R, ent_R)
         ctx.n_real, ctx.chunk, ctx.with_entropy = n_real, chunk, with_entropy
-        if not with_entropy:
-            ent_R = torch.zeros_like(ent_R)
-        ctx.mark_non_differentiable(*(() if with_entropy else (ent_R,)))
-        return logp_R, ent_R
+        return finish_forward(ctx, logp_R, ent_R, with_entropy)
 
     @staticmethod
     def backward(ctx, g_logp_R, g_ent_R):
         logits_TV, rows_R, local_t_R, owned_R, logz_R, ent_R = ctx.saved_tensors
-        n_real, chunk = ctx.n_real, ctx.chunk
-        use_ent = ctx.with_entropy and g_ent_R is not None
+        n_real = ctx.n_real
         grad_TV = torch.zeros_like(logits_TV)
-        R = rows_R.shape[0]
-        ct = logz_R.dtype
-        if g_logp_R is None:
-            g_logp_R = torch.zeros(R, dtype=ct, device=logits_TV.device)
-        g_logp_R = g_logp_R.to(ct)
-        if use_ent:
-            g_ent_R = g_ent_R.to(ct)
         if n_real == 0:
             return grad_TV, None, None, None, None, None, None, None, None
-        for s in range(0, R, chunk):
-            e = min(R, s + chunk)
-            rows = rows_R[s:e]
-            xs = logits_TV.index_select(0, rows)[:, :n_real].to(ct)
-            xs = _chunk_dlogits(xs, logz_R[s:e], ent_R[s:e], g_logp_R[s:e], g_ent_R[s:e] if use_ent else None,
-                                local_t_R[s:e], owned_R[s:e])
+        use_ent = ctx.with_entropy and g_ent_R is not None
+        ct = logz_R.dtype
+        for rows, xs in backward_chunks(lambda rows: _real_logits(logits_TV, rows, n_real, ct), rows_R, local_t_R,
+                                        owned_R, logz_R, ent_R, g_logp_R, g_ent_R if use_ent else None, ctx.chunk):
             # rows are distinct (a row is asked for once), so index_copy_ is exact
             sub = grad_TV.index_select(0, rows)
             sub[:, :n_real] = xs.to(grad_TV.dtype)
@@ -196,33 +86,12 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         return grad_TV, None, None, None, None, None, None, None, None
 
 
-def _check_chunk(chunk_size) -> None:
-    if int(chunk_size) != chunk_size or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-
-
-def _prepare(T: int, Vl: int, targets: torch.Tensor, rows: Optional[torch.Tensor], vocab_size: int, group,
-             device, what: str):
-    """Checks and normalises what both logprob paths get: ``(group, tp, vocab_start, n_real,
-    rows [R], targets [R])`` for a ``[T, Vl]`` local vocab shard."""
-    tp, tp_rank = _tp_info(group)
-    if tp > 1:
-        group = _resolve_group(group)
-    if Vl * tp < vocab_size:
-        raise ValueError(f"{what} {Vl} columns x tp={tp} = {Vl * tp} < vocab_size={vocab_size}: "
-                         "are these TP-sharded logits with the right group?")
-    vocab_start = tp_rank * Vl
-    n_real = max(0, min(Vl, vocab_size - vocab_start))
-    if rows is None:
-        rows = torch.arange(T, device=device)
-    rows = rows.to(device=device, dtype=torch.long).reshape(-1)
-    targets = targets.to(device=device, dtype=torch.long).reshape(-1)
-    if targets.shape[0] != rows.shape[0]:
-        if targets.shape[0] == T:
-            targets = targets.index_select(0, rows)
-        else:
-            raise ValueError(f"targets has {targets.shape[0]} entries; need T={T} or one per row ({rows.shape[0]})")
-    return group, tp, vocab_start, n_real, rows, targets
+def _real_logits(logits_TV: torch.Tensor, rows_c: torch.Tensor, n_real: int, ct: torch.dtype) -> torch.Tensor:
+    """``[c, n_real]`` logits of ``rows_c`` in ``ct``: a fresh copy (index_select), so the in-place
+    ops of the chunk math never touch the logits; ``[c, 0]`` when this rank's columns are all padding."""
+    if n_real == 0:
+        return torch.empty(rows_c.shape[0], 0, dtype=ct, device=logits_TV.device)
+    return logits_TV.index_select(0, rows_c)[:, :n_real].to(ct)
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, vocab_size: int,
@@ -249,9 +118,9 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, voca
         raise ValueError(f"logits must be [T, 1, Vl] or [T, Vl], got {tuple(logits.shape)}")
     if not logits.is_floating_point():
         raise TypeError(f"logits must be floating point, got {logits.dtype}")
-    _check_chunk(chunk_size)
+    check_chunk(chunk_size)
     T, Vl = logits.shape
-    group, tp, vocab_start, n_real, rows, targets = _prepare(T, Vl, targets, rows, vocab_size, group, logits.device,
+    group, tp, vocab_start, n_real, rows, targets = prepare(T, Vl, targets, rows, vocab_size, group, logits.device,
                                                              "logits hold")
     logp, ent = _VocabParallelLogprobs.apply(logits, rows, targets, vocab_start, n_real, group, tp,
                                              int(chunk_size), bool(with_entropy))

@@ -1,4 +1,5 @@
-"""One multi-turn conversation, token-exact, with tools and audio: the loop of `RolloutEngine`.
+"""One multi-turn conversation, token-exact, with tools and audio: the loop of `RolloutEngine`
+(which hands it a `RolloutContext`, not itself).
 
 Per conversation::
 
@@ -31,50 +32,46 @@ import hashlib
 import inspect
 import logging
 import math
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from megatron_grpo.rollout.assemble import build_trajectory
 from megatron_grpo.rollout.client import AudioItem, GenerateResult, RolloutServerError, collapse_audio_runs
+from megatron_grpo.rollout.context import RolloutContext
 from megatron_grpo.rollout.render import template_messages
 from megatron_grpo.rollout.state import NextTurn, RolloutConsistencyError, RolloutState, TurnResponse
 from megatron_grpo.rollout.tools import ToolContext
 from megatron_grpo.trajectory import Trajectory
 
-if TYPE_CHECKING:  # the engine imports this module
-    from megatron_grpo.rollout.engine import RolloutEngine
-
 log = logging.getLogger("megatron_grpo.rollout")
 
 
-async def run_conversation(engine: "RolloutEngine", row, group_id: int, k: int,
+async def run_conversation(ctx: RolloutContext, row, group_id: int, k: int,
                            prompt_audio: list) -> Trajectory:
     """Sample ``k`` of ``row`` (group ``group_id``, prompt clips ``prompt_audio``) from its prompt to
     its trajectory: generate, check and append turns until the policy, ``max_turns`` or the context
     length ends it."""
-    cfg = engine.cfg
+    cfg = ctx.cfg
     pidx = getattr(row, "prompt_index", 0)
     state = RolloutState(row=row, group_id=group_id, sample_index=k, messages=list(row.messages),
                          audios=list(prompt_audio))
     state.tool_ctx = ToolContext(audios=[a.waveform for a in prompt_audio],
                                  audio_paths=tuple(getattr(row, "audio_paths", ()) or ()),
-                                 audio_roots=engine.audio_roots, columns=state.columns, config=cfg,
+                                 audio_roots=ctx.audio_roots, columns=state.columns, config=cfg,
                                  state=state)
     if not cfg.return_routed_experts:
         state.routed_rows = None
-    policy = engine.policy_cls(engine)
+    policy = ctx.policy_cls(ctx)
     tools = list(getattr(row, "tools", None) or []) or None
 
-    prompt_text = engine.renderer.render(template_messages(row.messages), tools, True)
-    pending = engine.tokenizer.encode(prompt_text, add_special_tokens=False)
-    n_pad = sum(1 for t in pending if t == engine.audio_token_id)
-    if n_pad != len(prompt_audio) or collapse_audio_runs(pending, engine.audio_token_id) != pending:
+    prompt_text = ctx.renderer.render(template_messages(row.messages), tools, True)
+    pending = ctx.tokenizer.encode(prompt_text, add_special_tokens=False)
+    n_pad = sum(1 for t in pending if t == ctx.audio_token_id)
+    if n_pad != len(prompt_audio) or collapse_audio_runs(pending, ctx.audio_token_id) != pending:
         raise RolloutConsistencyError(
             f"prompt {pidx}: the rendered prompt has {n_pad} <|audio_pad|> placeholders for "
             f"{len(prompt_audio)} clips (or adjacent ones); check the row's messages")
     pending_new_audio = list(range(len(prompt_audio)))
-    max_total = engine.max_total_tokens
+    max_total = ctx.max_total_tokens
     turn = 0
     while True:
         predicted = len(state.input_ids) + len(pending) + sum(
@@ -94,12 +91,12 @@ async def run_conversation(engine: "RolloutEngine", row, group_id: int, k: int,
         # R3: rows already recorded cover positions [0, routed_start); ask for the rest
         routed_start = (sum(r.shape[0] for r in state.routed_rows)
                         if state.routed_rows is not None else None)
-        sent = collapse_audio_runs(state.input_ids, engine.audio_token_id) + pending
-        res = await engine.sampler.generate(engine, state, sent, max_tokens=max_tokens, seed=seed,
-                                          routed_experts_prompt_start=routed_start)
-        _commit_prompt(engine, state, res, sent, pending_new_audio, pidx, k)
+        sent = collapse_audio_runs(state.input_ids, ctx.audio_token_id) + pending
+        res = await ctx.sampler.generate(ctx, state, sent, max_tokens=max_tokens, seed=seed,
+                                       routed_experts_prompt_start=routed_start)
+        _commit_prompt(ctx, state, res, sent, pending_new_audio, pidx, k)
         pending, pending_new_audio = [], []
-        resp = _commit_turn(engine, state, res)
+        resp = _commit_turn(ctx, state, res)
         turn += 1
         if resp.finish_reason == "invalid_token":
             state.finish_reason = "invalid_token"
@@ -120,10 +117,10 @@ async def run_conversation(engine: "RolloutEngine", row, group_id: int, k: int,
             state.finish_reason = state.finish_reason or "stop"
             break
         if nxt.tool_calls:
-            engine._stats["tool_calls"] += nxt.tool_calls
-        pending, pending_new_audio = _tool_turn(engine, state, nxt, tools)
-    traj = build_trajectory(state, pidx, engine.audio_token_id)
-    engine._stats["tool_errors"] += sum(1 for _, _, r in state.tool_results if r.error)
+            ctx.stats["tool_calls"] += nxt.tool_calls
+        pending, pending_new_audio = _tool_turn(ctx, state, nxt, tools)
+    traj = build_trajectory(state, pidx, ctx.audio_token_id)
+    ctx.stats["tool_errors"] += sum(1 for _, _, r in state.tool_results if r.error)
     return traj
 
 
@@ -134,7 +131,7 @@ def predicted_audio_tokens(item: AudioItem) -> int:
     return audio_token_counts([item.waveform])[0]
 
 
-def _commit_prompt(engine: "RolloutEngine", state: RolloutState, res: GenerateResult, sent: list,
+def _commit_prompt(ctx: RolloutContext, state: RolloutState, res: GenerateResult, sent: list,
                    new_audio: list, pidx, k) -> None:
     """Check the server's prompt ids against ours and append the pending (tool/prompt) ids
     with the server's placeholder expansion (mask 0)."""
@@ -145,7 +142,7 @@ def _commit_prompt(engine: "RolloutEngine", state: RolloutState, res: GenerateRe
         bad = next((i for i, (a, b) in enumerate(zip(P, state.input_ids)) if a != b), len(P))
         raise RolloutConsistencyError(f"{where}: the server's prompt differs from the trajectory "
                                       f"at token {bad} of {n_old}")
-    if collapse_audio_runs(P, engine.audio_token_id) != sent:
+    if collapse_audio_runs(P, ctx.audio_token_id) != sent:
         raise RolloutConsistencyError(f"{where}: the server's prompt ({len(P)} ids) is not our "
                                       f"prompt ({len(sent)} ids, one pad per clip) expanded")
     runs = [(o, n) for o, n in res.audio_placeholders]
@@ -169,31 +166,34 @@ def _commit_prompt(engine: "RolloutEngine", state: RolloutState, res: GenerateRe
     state.server_url = res.url
 
 
-def _commit_turn(engine: "RolloutEngine", state: RolloutState, res: GenerateResult) -> TurnResponse:
+def _commit_turn(ctx: RolloutContext, state: RolloutState, res: GenerateResult) -> TurnResponse:
     """Append the generated ids (mask 1, the server's logprobs) and record the turn."""
     ids, lps = list(res.token_ids), list(res.logprobs)
     finish = res.finish_reason
-    cut = next((i for i, t in enumerate(ids) if t in engine.placeholder_ids), None)
+    cut = next((i for i, t in enumerate(ids) if t in ctx.placeholder_ids), None)
     if cut is not None:   # a sampled placeholder would be expanded as audio by the next prompt
         ids, lps, finish = ids[:cut], lps[:cut], "invalid_token"
-        engine._stats["invalid_token"] += 1
+        ctx.stats["invalid_token"] += 1
     for lp in lps:
         if not (lp <= 0.0) or math.isnan(lp):
             raise RolloutConsistencyError(f"the server returned logprob {lp} for a sampled token")
     if state.routed_rows is not None:
         if res.routed_experts is None:
-            if not res.forced and not getattr(engine, "_warned_r3", False):
+            if not res.forced and not "r3" in ctx.warned:
                 log.warning("rollout.return_routed_experts is on but the server returned no routed "
                             "experts (start it with `mgrpo serve --return-routed-experts`); "
                             "trajectories get routed_experts=None")
-                engine._warned_r3 = True
+                ctx.warned.add("r3")
             state.routed_rows = None
         else:
-            state.routed_rows.append(np.asarray(res.routed_experts))
+            # rows for the positions [covered so far, prompt + kept ids - 1): a cut turn (above)
+            # drops the rows of the ids it drops
+            keep = len(state.input_ids) + len(ids) - 1 - sum(r.shape[0] for r in state.routed_rows)
+            state.routed_rows.append(np.asarray(res.routed_experts)[:max(keep, 0)])
     state.input_ids.extend(ids)
     state.loss_mask.extend([1] * len(ids))
     state.logprobs.extend(lps)
-    text = engine.tokenizer.decode(ids, skip_special_tokens=True)
+    text = ctx.tokenizer.decode(ids, skip_special_tokens=True)
     resp = TurnResponse(token_ids=ids, logprobs=lps, text=text, finish_reason=finish,
                         stop_reason=res.stop_reason, url=res.url, weight_version=res.weight_version,
                         forced=res.forced)
@@ -203,11 +203,11 @@ def _commit_turn(engine: "RolloutEngine", state: RolloutState, res: GenerateResu
     state.messages.append({"role": "assistant", "content": text})
     state.weight_versions.append(res.weight_version)
     state.num_turns += 1
-    engine._stats["turns"] += 1
+    ctx.stats["turns"] += 1
     return resp
 
 
-def _tool_turn(engine: "RolloutEngine", state: RolloutState, nxt: NextTurn,
+def _tool_turn(ctx: RolloutContext, state: RolloutState, nxt: NextTurn,
                tools) -> tuple[list, list]:
     """Template ids of the next turn (one pad per new clip) and the indices of its clips."""
     state.num_tool_calls += nxt.tool_calls
@@ -229,11 +229,11 @@ def _tool_turn(engine: "RolloutEngine", state: RolloutState, nxt: NextTurn,
         msgs.append(m)
     state.messages.extend(msgs)
     last = state.input_ids[-1] if state.input_ids and state.loss_mask[-1] == 1 else None
-    last_text = engine.tokenizer.decode([last], skip_special_tokens=False) \
-        if last is not None and last in engine.eos_ids else None
-    text = engine.renderer.text(template_messages(msgs), tools, last_text)
-    ids = engine.tokenizer.encode(text, add_special_tokens=False)
-    n_pad = sum(1 for t in ids if t == engine.audio_token_id)
+    last_text = ctx.tokenizer.decode([last], skip_special_tokens=False) \
+        if last is not None and last in ctx.eos_ids else None
+    text = ctx.renderer.text(template_messages(msgs), tools, last_text)
+    ids = ctx.tokenizer.encode(text, add_special_tokens=False)
+    n_pad = sum(1 for t in ids if t == ctx.audio_token_id)
     if n_pad != len(new_audio):
         raise RolloutConsistencyError(f"the tool turn renders {n_pad} audio placeholders for "
                                       f"{len(new_audio)} clips: {text[:300]!r}")

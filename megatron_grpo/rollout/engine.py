@@ -11,7 +11,9 @@ order, rewards on request. The parts it is made of, each in its own module of th
 * ``render``: the chat template's text of the prompt and of tool turns (`ToolTurnRenderer`);
 * ``assemble``: the finished conversation as a `Trajectory` (`stitch_routed_experts` for R3);
 * ``state``: the data passed between them (`RolloutState`, `TurnResponse`, `NextTurn`,
-  `RolloutBatch`, `RolloutConsistencyError`).
+  `RolloutBatch`, `RolloutConsistencyError`);
+* ``context``: what a conversation, its policy and its sampler get from the engine
+  (`RolloutContext`: tokenizer, renderer, sampler, limits, the batch's counters).
 
 Their public names are importable from here too.
 """
@@ -25,9 +27,10 @@ from typing import Optional, Sequence
 
 from megatron_grpo.rollout.assemble import stitch_routed_experts
 from megatron_grpo.rollout.client import AudioItem, RolloutClient, RolloutServerError
+from megatron_grpo.rollout.context import RolloutContext
 from megatron_grpo.rollout.conversation import run_conversation
 from megatron_grpo.rollout.policies import HermesToolPolicy, MultiTurnPolicy
-from megatron_grpo.rollout.policies import tool_message  # noqa: F401 - re-exported (plugins.py, tests)
+from megatron_grpo.rollout.policies import tool_message  # noqa: F401 - re-exported (tests)
 from megatron_grpo.rollout.render import ToolTurnRenderer
 from megatron_grpo.rollout.samplers import ServerSampler, TeacherForcedSampler
 from megatron_grpo.rollout.state import (NextTurn, RolloutBatch, RolloutConsistencyError, RolloutState,
@@ -86,7 +89,7 @@ class RolloutEngine:
         self.eos_ids = {int(t) for t in eos if t is not None}
         self.max_total_tokens: Optional[int] = cfg.max_total_tokens
         self._opened = False
-        self._stats: Counter = Counter()
+        self._warned: set = set()  # once-per-engine warnings, shared by every batch's context
 
     # ------------------------------------------------------------------ lifecycle
     async def __aenter__(self) -> "RolloutEngine":
@@ -129,26 +132,35 @@ class RolloutEngine:
         group_ids = list(group_ids) if group_ids is not None else list(range(len(rows)))
         if len(group_ids) != len(rows):
             raise ValueError(f"{len(group_ids)} group ids for {len(rows)} rows")
-        self._stats = Counter()
+        ctx = self._context()
         results: list[Optional[list]] = [None] * len(rows)
         dropped: list = []
         try:
             async with asyncio.TaskGroup() as tg:
                 for i, (row, gid) in enumerate(zip(rows, group_ids)):
-                    tg.create_task(self._group(i, row, gid, results, dropped))
+                    tg.create_task(self._group(ctx, i, row, gid, results, dropped))
         except BaseExceptionGroup as eg:
             first = _first_error(eg)
             raise first from None
         trajs = [t for g in results if g for t in g]
         reasons = Counter(t.finish_reason for t in trajs)
-        stats = dict(self._stats)
+        stats = dict(ctx.stats)
         stats.update(seconds=time.monotonic() - t0, trajectories=len(trajs), dropped=len(dropped),
                      tokens=sum(t.num_tokens for t in trajs), generated=sum(t.num_generated for t in trajs),
                      turns=sum(t.num_turns for t in trajs),
                      finish_reasons=dict(reasons), client=dict(self.client.stats))
         return RolloutBatch(trajectories=trajs, dropped=dropped, stats=stats)
 
-    async def _group(self, i: int, row, group_id: int, results: list, dropped: list) -> None:
+    def _context(self) -> RolloutContext:
+        """A batch's `RolloutContext`: the engine's current parts (a test may swap the sampler) and
+        fresh counters."""
+        return RolloutContext(cfg=self.cfg, tokenizer=self.tokenizer, renderer=self.renderer, sampler=self.sampler,
+                              tools=self.tools, policy_cls=self.policy_cls, audio_roots=self.audio_roots,
+                              audio_token_id=self.audio_token_id, placeholder_ids=frozenset(self.placeholder_ids),
+                              end_of_turn_id=self.end_of_turn_id, eos_ids=frozenset(self.eos_ids),
+                              max_total_tokens=self.max_total_tokens, warned=self._warned)
+
+    async def _group(self, ctx: RolloutContext, i: int, row, group_id: int, results: list, dropped: list) -> None:
         mode = self.cfg.on_error
         try:
             waves = await asyncio.to_thread(self._load_prompt_audio, row)
@@ -159,7 +171,7 @@ class RolloutEngine:
             dropped.append((getattr(row, "prompt_index", i), None, f"{type(e).__name__}: {e}"))
             return
         n = self.cfg.num_generations
-        samples = [run_conversation(self, row, group_id, k, items) for k in range(n)]
+        samples = [run_conversation(ctx, row, group_id, k, items) for k in range(n)]
         if mode == "raise":   # the first failure cancels the rest (gather cancels its children)
             results[i] = list(await asyncio.gather(*samples))
             return

@@ -38,9 +38,9 @@ import traceback
 from contextlib import contextmanager
 from typing import Callable, Optional
 
-from megatron_grpo.rollout.engine import (HermesToolPolicy, MultiTurnPolicy, NextTurn, RolloutState,
-                                          TurnResponse, tool_message)
+from megatron_grpo.rollout.policies import HermesToolPolicy, MultiTurnPolicy, tool_message
 from megatron_grpo.rollout.rewards import BUILTIN_REWARDS, RewardError, check_reward_fn
+from megatron_grpo.rollout.state import NextTurn, RolloutState, TurnResponse
 from megatron_grpo.rollout.tools import (BUILTIN_TOOLS, Tool, ToolCall, ToolContext, ToolRefused,
                                          ToolRegistry, ToolResult, parse_tool_calls)
 

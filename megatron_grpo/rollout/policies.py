@@ -6,13 +6,11 @@ without one. `tool_message` turns a tool's result into the OpenAI-style message 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
+from megatron_grpo.rollout.context import RolloutContext
 from megatron_grpo.rollout.state import NextTurn, RolloutState, TurnResponse
 from megatron_grpo.rollout.tools import ToolCall, ToolRegistry, ToolResult, parse_tool_calls
-
-if TYPE_CHECKING:  # the engine imports this module
-    from megatron_grpo.rollout.engine import RolloutEngine
 
 
 class MultiTurnPolicy:
@@ -28,15 +26,16 @@ class MultiTurnPolicy:
     Helpers: ``await self.run_tool_calls(state, calls)`` executes parsed calls with the registry
     (errors become "error: ..." tool messages) and builds the `NextTurn`; ``await
     self.call_tool(state, name, arguments)`` runs one tool.  ``self.config`` is the RolloutConfig,
-    ``self.tools`` the ToolRegistry.  The engine enforces ``max_turns`` and the context length.
+    ``self.tools`` the ToolRegistry, ``self.context`` the `RolloutContext` (tokenizer, limits,
+    stats).  The engine enforces ``max_turns`` and the context length.
     """
 
     name = "single_turn"
 
-    def __init__(self, engine: "RolloutEngine"):
-        self.engine = engine
-        self.config = engine.cfg
-        self.tools: ToolRegistry = engine.tools
+    def __init__(self, ctx: RolloutContext):
+        self.context = ctx
+        self.config = ctx.cfg
+        self.tools: ToolRegistry = ctx.tools
 
     def is_finished(self, state: RolloutState) -> bool:
         state.finish_reason = state.finish_reason or "stop"

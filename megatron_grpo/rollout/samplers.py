@@ -3,13 +3,11 @@
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 from megatron_grpo.rollout.client import GenerateResult, RolloutClient
+from megatron_grpo.rollout.context import RolloutContext
 from megatron_grpo.rollout.state import RolloutConsistencyError, RolloutState
-
-if TYPE_CHECKING:  # the engine imports this module
-    from megatron_grpo.rollout.engine import RolloutEngine
 
 
 class ServerSampler:
@@ -18,10 +16,10 @@ class ServerSampler:
     def __init__(self, client: RolloutClient):
         self.client = client
 
-    async def generate(self, engine: "RolloutEngine", state: RolloutState, prompt_ids: list,
+    async def generate(self, ctx: RolloutContext, state: RolloutState, prompt_ids: list,
                        *, max_tokens: int, seed: Optional[int],
                        routed_experts_prompt_start: Optional[int]) -> GenerateResult:
-        cfg = engine.cfg
+        cfg = ctx.cfg
         return await self.client.generate(
             prompt_ids, state.audios, max_tokens=max_tokens, temperature=cfg.temperature,
             top_p=cfg.top_p, top_k=cfg.top_k, seed=seed, stop_token_ids=cfg.stop_token_ids,
@@ -44,15 +42,15 @@ class TeacherForcedSampler(ServerSampler):
         self.script = script
         self.forced_turns = 0
 
-    async def generate(self, engine, state, prompt_ids, *, max_tokens, seed,
+    async def generate(self, ctx, state, prompt_ids, *, max_tokens, seed,
                        routed_experts_prompt_start):
         text = self.script(state)
         if text is None:
-            return await super().generate(engine, state, prompt_ids, max_tokens=max_tokens, seed=seed,
+            return await super().generate(ctx, state, prompt_ids, max_tokens=max_tokens, seed=seed,
                                           routed_experts_prompt_start=routed_experts_prompt_start)
-        forced = engine.tokenizer.encode(text, add_special_tokens=False)
-        if not forced or forced[-1] not in engine.eos_ids:
-            forced = forced + [engine.end_of_turn_id]
+        forced = ctx.tokenizer.encode(text, add_special_tokens=False)
+        if not forced or forced[-1] not in ctx.eos_ids:
+            forced = forced + [ctx.end_of_turn_id]
         forced = forced[:max_tokens]
         res = await self.client.generate(list(prompt_ids) + forced, state.audios, max_tokens=1,
                                          temperature=1.0, prompt_logprobs=True, prefer=state.server_url)
@@ -64,6 +62,6 @@ class TeacherForcedSampler(ServerSampler):
             url=res.url, prompt_token_ids=res.prompt_token_ids[:-len(forced)],
             audio_placeholders=res.audio_placeholders, token_ids=forced,
             logprobs=res.prompt_logprobs[-len(forced):],
-            finish_reason="stop" if forced[-1] in engine.eos_ids else "length",
+            finish_reason="stop" if forced[-1] in ctx.eos_ids else "length",
             stop_reason=None, weight_version=res.weight_version, routed_experts=None,
             seconds=res.seconds, forced=True)

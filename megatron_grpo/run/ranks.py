@@ -1,10 +1,8 @@
-"""Start the trainer's ranks: under torchrun/srun use theirs; otherwise spawn `nproc` processes."""
+"""The trainer's rank environment under torchrun / srun (without them `mgrpo train` spawns its ranks
+with :func:`model_bridge.spawn.run_ranks`)."""
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import sys
 
 
 def launched_externally() -> bool:
@@ -18,52 +16,3 @@ def slurm_to_torch_env() -> None:
         os.environ["RANK"] = os.environ["SLURM_PROCID"]
         os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
         os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def spawn_ranks(nproc: int, argv: list[str], extra_env: dict[str, str] | None = None) -> int:
-    """Run `python -m megatron_grpo.cli <argv>` as `nproc` ranks on this machine (``extra_env``
-    added to each one's environment); returns the first non-zero exit code (a failing rank takes
-    the others down), else 0."""
-    port = _free_port()
-    procs = []
-    for rank in range(nproc):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(extra_env or {}))
-        if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
-        procs.append(subprocess.Popen([sys.executable, "-m", "megatron_grpo.cli", *argv], env=env))
-    code = 0
-    try:
-        pending = list(procs)
-        while pending:
-            for p in list(pending):
-                rc = p.poll()
-                if rc is None:
-                    continue
-                pending.remove(p)
-                if rc != 0 and code == 0:
-                    code = rc
-                    for q in pending:  # one rank failed: the others would wait forever
-                        q.terminate()
-            if pending:
-                try:
-                    pending[0].wait(timeout=0.5)
-                except subprocess.TimeoutExpired:
-                    pass
-    except KeyboardInterrupt:
-        for p in procs:
-            p.terminate()
-        code = 130
-    finally:
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-    return code

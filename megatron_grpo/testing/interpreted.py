@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from megatron_grpo.testing.dist import run_ranks
+from model_bridge.spawn import run_ranks
 
 INTERPRETED_ENV = {"TRITON_INTERPRET": "1", "MGRPO_TRITON_GLU_CPU": "1"}
 

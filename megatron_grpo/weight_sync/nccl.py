@@ -15,24 +15,17 @@ Not testable on CPU machines: its tests are marked `gpu`.
 """
 from __future__ import annotations
 
-import socket
 from typing import Callable
 
 import torch
 
 from megatron_grpo.weight_sync.buckets import Bucket
+from model_bridge.spawn import free_port
 
 __all__ = ["NcclTransport"]
 
 DEFAULT_PACKED_BUFFER_BYTES = 512 * 1024**2
 DEFAULT_PACKED_NUM_BUFFERS = 2
-
-
-def _free_port(host: str) -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class NcclTransport:
@@ -57,7 +50,7 @@ class NcclTransport:
 
     def prepare(self, world_size: int) -> dict:
         self.close()
-        port = self.master_port or _free_port(self.master_address)
+        port = self.master_port or free_port(self.master_address)
         self._init = {"master_address": self.master_address, "master_port": port, "rank_offset": 1,
                       "world_size": world_size, "packed": self.packed,
                       "packed_buffer_size_bytes": self.packed_buffer_size_bytes,

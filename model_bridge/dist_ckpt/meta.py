@@ -19,14 +19,12 @@ from typing import Optional
 
 import torch
 
+from model_bridge.dist_ckpt.runs import CHECKPOINT_FORMAT as TRAINING_FORMAT
+from model_bridge.dist_ckpt.runs import META_FILE, find_latest_checkpoint
 from model_bridge.io import CheckpointError
 
-META_FILE = "mgrpo_checkpoint.json"
 FORMAT_NAME = "mgrpo-megatron-dist"
 FORMAT_VERSION = 1
-TRAINING_FORMAT = "megatron-grpo/1"
-"""``megatron_grpo.engine.checkpoint.CHECKPOINT_FORMAT`` (not imported: model_bridge does not need
-megatron_grpo to read a checkpoint)."""
 SHARDED_SD_METADATA = {"singleton_local_shards": False}
 """``sharded_state_dict(metadata=...)`` pinned so megatron-core 0.16 and 0.19 write the same keys."""
 
@@ -114,14 +112,12 @@ def _run_dir_of(d: Path) -> Optional[Path]:
 
 def resolve_mcore_input(path: str | os.PathLike) -> tuple[Path, Optional[str]]:
     """(checkpoint dir, note): ``path`` itself, or for a training run directory (or its
-    ``checkpoints/``) the newest complete checkpoint in it (``find_latest_checkpoint``), with a
+    ``checkpoints/``) the newest complete checkpoint in it (:func:`find_latest_checkpoint`), with a
     note saying which one was picked."""
     d = Path(path)
     run_dir = _run_dir_of(d)
     if run_dir is None:
         return d, None
-    from megatron_grpo.engine.checkpoint import find_latest_checkpoint
-
     latest = find_latest_checkpoint(run_dir)
     if latest is None:
         raise CheckpointError(f"{d} is a training run directory without a complete checkpoint under "

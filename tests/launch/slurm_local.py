@@ -45,7 +45,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -53,6 +52,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from model_bridge.spawn import free_port
 
 CRED_EXPIRE_S = 5
 NODE_CPUS = 16
@@ -73,12 +74,6 @@ def unavailable(reason: str):
     if _in_ci():
         pytest.fail(f"real Slurm unavailable under CI: {reason}", pytrace=False)
     pytest.skip(f"real Slurm unavailable: {reason}")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tail(path: Path, n: int = 40) -> str:
@@ -157,7 +152,7 @@ class LocalSlurm:
         for d in ("state", "spool", "log"):
             (r / d).mkdir(exist_ok=True)
         mem_mb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2**20
-        self.ctld_port, self.slurmd_port = _free_port(), _free_port()
+        self.ctld_port, self.slurmd_port = free_port(), free_port()
         self.conf.write_text(f"""\
 # one-node test cluster written by tests/launch/slurm_local.py
 ClusterName=mgrpotest

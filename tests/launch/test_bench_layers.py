@@ -104,7 +104,7 @@ def test_gpu_bound_time_needs_a_step_the_host_can_queue_ahead():
 
 def test_dtype_takes_both_spellings():
     """``--dtype`` as model.dtype / ``mgrpo serve`` spell it, or short; anything else is refused."""
-    from megatron_grpo.cli import build_parser
+    from launch.cli import build_parser
 
     p = build_parser()
     for name in ("bf16", "bfloat16", "fp32", "float32"):

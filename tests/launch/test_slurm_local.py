@@ -52,7 +52,7 @@ def _launch(cluster, tmp_path: Path, *overrides: str) -> tuple[dict, Path]:
                TRANSFORMERS_OFFLINE="1")
     serve_port = _free_port()
     master_port = next(p for p in iter(_free_port, None) if p != serve_port)
-    cmd = [sys.executable, "-m", "megatron_grpo.cli", "launch", "slurm", "--recipe", "tiny_cpu",
+    cmd = [sys.executable, "-m", "launch.cli", "launch", "slurm", "--recipe", "tiny_cpu",
            "--out", str(out), f"trainer.run_dir={run}", "trainer.prompts_per_step=2",
            "rollout.num_generations=4", "launch.socket_ifname=lo",
            f"launch.serve_port={serve_port}", f"launch.master_port={master_port}",

@@ -8,7 +8,6 @@ import json
 import os
 import re
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -18,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_grpo.cli import main
+from launch.cli import main
+from model_bridge.spawn import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE_30B = "qwen3_omni_30b_a3b_audio_agent_4x8_h200"
@@ -312,17 +312,11 @@ def test_refused_trainer_job_cancels_the_rollout_job(tmp_path, capsys, monkeypat
 # --------------------------------------------------------------------- what runs on the nodes
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_rendered_health_wait_fails_naming_server_and_log(rendered, tmp_path):
     out, files = rendered
     t = files["train.sbatch"]
     block = t[t.index("if ! URLS=$(python -m launch.slurm.node wait-servers"):t.index("# ---- 5.")]
-    dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     (out / "servers" / "rollout-node-7.url").write_text(dead + "\n")
     script = (f'OUT={out}; ROLLOUT_SERVERS=2; HEALTH_TIMEOUT=2; ROLLOUT_LOG="$OUT/logs/rollout-991.out"\n'
               'cancel_rollout() { echo "CANCEL: $1"; }\n' + block)
@@ -371,7 +365,7 @@ def test_node_serve_execs_mgrpo_serve_on_the_interface_address(tmp_path, monkeyp
     node.main(["serve", "--servers-dir", str(tmp_path / "s"), "--log-dir", str(tmp_path / "l"), "--ifname", "lo",
                "--", "--model", "/m", "--port", "8123"])
     argv = seen["argv"]
-    assert argv[1:4] == ["-m", "megatron_grpo.cli", "serve"]
+    assert argv[1:4] == ["-m", "launch.cli", "serve"]
     assert argv[argv.index("--host") + 1] == "127.0.0.1" and "--allow-remote" in argv
     assert argv[argv.index("--url-file") + 1] == str(tmp_path / "s" / "rollout-3.url")
     assert argv[argv.index("--log") + 1] == str(tmp_path / "l" / "vllm-rollout-3.log")
@@ -430,7 +424,7 @@ def test_sigusr1_reaches_both_ranks_through_torchrun(tmp_path, delivery):
     (tmp_path / "w.py").write_text(_WORKER)
     agent = subprocess.Popen(
         [sys.executable, "-m", "launch.slurm.torchrun", "--nnodes=1", "--nproc-per-node=2",
-         f"--master-port={_free_port()}", str(tmp_path / "w.py"), str(tmp_path)],
+         f"--master-port={free_port()}", str(tmp_path / "w.py"), str(tmp_path)],
         cwd=REPO, env=_env(OMP_NUM_THREADS="1"), start_new_session=True,
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -9,7 +9,7 @@ import pytest
 
 from megatron_grpo.guard import (HANG_EXIT_CODE, ScheduleMismatchError, StepSchedule, Watchdog, check_schedule,
                                  note_collective)
-from megatron_grpo.testing.dist import run_ranks
+from model_bridge.spawn import run_ranks
 
 
 # ------------------------------------------------------------------------------------------------
@@ -131,7 +131,7 @@ def _launch(args: list[str], world: int, timeout: float) -> list[tuple[int, str]
     import sys
     from pathlib import Path
 
-    from megatron_grpo.testing.dist import free_port
+    from model_bridge.spawn import free_port
 
     here = Path(__file__).resolve()
     port = free_port()

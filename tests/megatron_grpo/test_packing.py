@@ -12,7 +12,7 @@ from megatron_grpo.packing import (PackingConfig, balance_samples, build_microba
                                    build_rank_microbatches, empty_microbatch, equalize_microbatch_counts,
                                    first_fit_decreasing, next_token_targets, pack_per_token, pad_microbatches,
                                    plan_step, round_up, shift_within_samples)
-from megatron_grpo.testing.dist import run_ranks
+from model_bridge.spawn import run_ranks
 
 
 def skewed_lengths(seed, n):

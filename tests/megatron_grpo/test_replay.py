@@ -31,7 +31,7 @@ COMPARED = ("loss", "pg_loss", "grad_norm", "entropy", "moe_load_balancing_loss"
 
 def _mgrpo(*args, timeout=900):
     env = dict(os.environ, MGRPO_CACHE=str(CACHE / "embedded"), HF_HUB_OFFLINE="1")
-    return subprocess.run([sys.executable, "-m", "megatron_grpo.cli", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -20,7 +20,7 @@ REWARD_MARGIN = 0.05
 def _mgrpo(*args, env_extra=None, timeout=1500):
     env = dict(os.environ, MGRPO_CACHE=str(CACHE / "embedded"), HF_HUB_OFFLINE="1")
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-m", "megatron_grpo.cli", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_grpo.cli import main
+from launch.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 TOL = 1e-4
@@ -41,7 +41,7 @@ def _tensors(d: Path) -> dict[str, torch.Tensor]:
 
 def _cli(*argv: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONWARNINGS="ignore")
-    return subprocess.run([sys.executable, "-m", "megatron_grpo.cli", *argv], cwd=REPO, env=env, text=True,
+    return subprocess.run([sys.executable, "-m", "launch.cli", *argv], cwd=REPO, env=env, text=True,
                           capture_output=True, timeout=timeout)
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_grpo.cli import main
+from launch.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 ENGINE_TESTS = REPO / "tests" / "megatron_grpo" / "engine"
@@ -93,7 +93,7 @@ def _err(capsys, argv) -> str:
 
 @pytest.mark.slow
 def test_training_checkpoint_exports_bit_exact(tiny_ckpt, tmp_path, capsys):
-    from megatron_grpo.testing.dist import run_ranks
+    from model_bridge.spawn import run_ranks
     from model_bridge.checkpoint import check_dist_checkpoint
     from model_bridge.convert import mcore_to_hf
     from model_bridge.io import CheckpointError
@@ -109,7 +109,7 @@ def test_training_checkpoint_exports_bit_exact(tiny_ckpt, tmp_path, capsys):
 
     # the CLI, given the run's checkpoints/ dir and no --hf-source
     out = tmp_path / "hf"
-    r = subprocess.run([sys.executable, "-m", "megatron_grpo.cli", "convert", "mcore-to-hf", "--mcore",
+    r = subprocess.run([sys.executable, "-m", "launch.cli", "convert", "mcore-to-hf", "--mcore",
                         str(run / "checkpoints"), "--out", str(out), "--no-progress"], cwd=REPO,
                        env=dict(os.environ, PYTHONWARNINGS="ignore"), text=True, capture_output=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]

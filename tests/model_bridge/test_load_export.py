@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from megatron_grpo.testing.dist import run_ranks
+from model_bridge.spawn import run_ranks
 
 PASSTHROUGH = ("thinker.visual.", "talker.", "code2wav.")
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")

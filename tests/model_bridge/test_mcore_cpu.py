@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from megatron_grpo.testing.dist import run_ranks
+from model_bridge.spawn import run_ranks
 
 VOCAB, SEQ, BATCH = 128, 16, 2
 TOL = 1e-6

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from megatron_grpo.testing.dist import run_ranks
+from model_bridge.spawn import run_ranks
 
 TOL = 1e-4
 

@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from megatron_grpo.testing.dist import run_ranks
+from model_bridge.spawn import run_ranks
 from test_parity_two_ranks import PRESET, _one_rank, _rank_layout, check_against_one_rank
 
 LAYOUTS = [  # world, tp, ep, etp

@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from megatron_grpo.testing.dist import run_ranks
+from model_bridge.spawn import run_ranks
 from megatron_grpo.testing.grads import grads_by_hf_name
 from test_parity_torch_backend import _packed
 from test_parity_two_ranks import PRESET, _batches, _reduce_grads_like_megatron, check_against_one_rank

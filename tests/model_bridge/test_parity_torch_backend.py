@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_grpo.testing.dist import run_ranks
+from model_bridge.spawn import run_ranks
 from test_parity import reference  # noqa: F401 - its module fixture: HF fp32 logits on CPU
 
 FP32_TOL = 1e-4

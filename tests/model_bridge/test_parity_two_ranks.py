@@ -43,7 +43,7 @@ import time
 import pytest
 import torch
 
-from megatron_grpo.testing.dist import run_ranks
+from model_bridge.spawn import run_ranks
 from megatron_grpo.testing.grads import grads_by_hf_name
 from test_parity import _make_samples, _sample_ids
 from test_parity_torch_backend import BF16_GRAD_REL, BF16_REL_LOGITS, FP32_TOL, _packed

@@ -340,7 +340,7 @@ def test_presets_and_cli(tmp_path):
     with pytest.raises(ValueError, match="unknown tiny preset"):
         get_preset("huge")
 
-    from megatron_grpo.cli import main
+    from launch.cli import main
     assert main(["make-tiny", "--out", str(tmp_path / "cli")]) == 0
     assert (tmp_path / "cli" / "model.safetensors.index.json").exists()
     before = {p.name: p.stat().st_mtime_ns for p in (tmp_path / "cli").iterdir()}

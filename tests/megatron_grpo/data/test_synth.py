@@ -221,7 +221,7 @@ def test_speech_event_when_espeak_present():
 
 
 def test_cli_make_data(tmp_path, capsys):
-    from megatron_grpo.cli import main
+    from launch.cli import main
 
     assert main(["make-data", "--out", str(tmp_path / "d"), "--n", "1", "--n-dev", "1", "--seed", "3"]) == 0
     assert "1 train rows" in capsys.readouterr().out

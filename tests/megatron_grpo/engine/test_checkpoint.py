@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_grpo.testing.dist import free_port, run_ranks
+from model_bridge.spawn import free_port, run_ranks
 
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 HERE = Path(__file__).resolve()
@@ -78,7 +78,7 @@ def _engine():
     return optim, build_engine
 
 
-def _session(hf_dir: str, run_dir: str, last_step: int, *, save_at: tuple = (), resume: bool = False) -> dict:
+def _train_steps(hf_dir: str, run_dir: str, last_step: int, *, save_at: tuple = (), resume: bool = False) -> dict:
     """Build the engine, optionally resume, train up to ``last_step`` (saving at ``save_at``)."""
     import random
 
@@ -126,9 +126,9 @@ def _uninterrupted_then_saved(hf_dir: str, run_dir: str) -> dict:
     """Steps 1..3 without saving; then, from scratch in the same process, steps 1..3 saving at 2."""
     from model_bridge.parallel import destroy_parallel
 
-    a = _session(hf_dir, run_dir, 3)
+    a = _train_steps(hf_dir, run_dir, 3)
     destroy_parallel(destroy_process_group=False)
-    b = _session(hf_dir, run_dir, 3, save_at=(2,))
+    b = _train_steps(hf_dir, run_dir, 3, save_at=(2,))
     destroy_parallel()
     return {"uninterrupted": a, "saving": b}
 
@@ -140,7 +140,7 @@ def _resumed(hf_dir: str, run_dir: str) -> dict:
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        out = _session(hf_dir, run_dir, 3, resume=True)
+        out = _train_steps(hf_dir, run_dir, 3, resume=True)
     out["warnings"] = [str(w.message) for w in caught if "checkpoint" in str(w.message)]
     destroy_parallel()
     return out

@@ -19,7 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_grpo.engine.fused_logprobs import fused_vocab_parallel_logprobs
 from megatron_grpo.engine.logprobs import token_logprobs, vocab_parallel_logprobs
-from megatron_grpo.testing.dist import run_ranks
+from model_bridge.spawn import run_ranks
 
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 TOL = {torch.float64: 1e-12, torch.float32: 2e-5}

@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_grpo.engine.logprobs import token_logprobs, vocab_parallel_logprobs
-from megatron_grpo.testing.dist import run_ranks
+from model_bridge.spawn import run_ranks
 
 TOL = 1e-6
 

@@ -15,7 +15,7 @@ import asyncio
 import numpy as np
 import torch
 
-from megatron_grpo.testing.dist import run_ranks
+from model_bridge.spawn import run_ranks
 
 MIN_DISAGREEMENT = 0.10
 KL_DROP = 10.0

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_grpo.testing.dist import run_ranks
+from model_bridge.spawn import run_ranks
 
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 BUDGET = 224

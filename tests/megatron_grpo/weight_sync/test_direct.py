@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from megatron_grpo.testing.dist import run_ranks
+from model_bridge.spawn import run_ranks
 from megatron_grpo.weight_sync.direct import (DirectLayoutError, DirectPlan, bucket_plan, local_buckets, p2p_group,
                                               recv_direct, send_direct, warm_up)
 

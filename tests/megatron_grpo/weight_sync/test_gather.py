@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_grpo.testing.dist import run_ranks
+from model_bridge.spawn import run_ranks
 
 BUCKET = 3000  # bytes: several pieces from the tiny model's 1-16 KiB tensors
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_grpo.testing.dist import run_ranks
+from model_bridge.spawn import run_ranks
 
 SMALL_BUCKET = 3000  # bytes: most tiny tensors are 1-16 KiB, so pieces of 1..few tensors
 

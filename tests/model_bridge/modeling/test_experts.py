@@ -26,7 +26,7 @@ import time
 import pytest
 import torch
 
-from megatron_grpo.testing.dist import run_ranks
+from model_bridge.spawn import run_ranks
 from megatron_grpo.testing.grads import grads_by_hf_name
 
 FP32_TOL = 2e-5  # relative to the largest magnitude of the compared tensor

@@ -12,7 +12,7 @@ import weakref
 import pytest
 import torch
 
-from megatron_grpo.testing.dist import run_ranks
+from model_bridge.spawn import run_ranks
 from megatron_grpo.testing.grads import grads_by_hf_name
 from test_experts import _packed_batch
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_grpo.testing.dist import run_ranks
+from model_bridge.spawn import run_ranks
 
 
 def _router_case(pre_softmax: bool) -> dict:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_grpo.testing.dist import run_ranks
+from model_bridge.spawn import run_ranks
 from megatron_grpo.testing.interpreted import run_interpreted
 
 _FUSED_EPS = 16.0

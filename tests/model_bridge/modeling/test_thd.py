@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_grpo.testing.dist import run_ranks
+from model_bridge.spawn import run_ranks
 from model_bridge.modeling.thd import host_offsets, offsets_to_device, thd_params, to_device_async
 
 

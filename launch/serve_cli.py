@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from megatron_grpo.cli import DefaultsHelpFormatter
+from launch.cli_help import DefaultsHelpFormatter
 from megatron_grpo.rollout.server import LOOPBACK_HOSTS
 
 __all__ = ["add_serve_parser", "check_bind", "run_serve", "RemoteBindRefused"]

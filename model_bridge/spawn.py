@@ -1,6 +1,10 @@
 """Run a function on N real processes, torchrun-style, and get every rank's return value back.
 
-    from megatron_grpo.testing.dist import run_ranks
+The one rank spawner of the project: `mgrpo train` (without torchrun/srun), `mgrpo convert`, the
+benchmarks and the multi-rank tests all start their ranks here, and :func:`free_port` is the one
+place a free TCP port is picked.
+
+    from model_bridge.spawn import run_ranks
 
     def step(scale):                      # top level of an importable module (pickled by name)
         import torch.distributed as dist
@@ -11,8 +15,8 @@
     values = run_ranks(step, 2, 0.5)      # [value of rank 0, value of rank 1]
 
 Each rank is a fresh ``spawn`` process with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
-``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``, ``OMP_NUM_THREADS=1`` and
-any ``env=`` extras set. The first rank to raise makes ``run_ranks`` kill the others and re-raise
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``, ``OMP_NUM_THREADS=1`` (unless
+``env=`` sets it) and any ``env=`` extras set. The first rank to raise makes ``run_ranks`` kill the others and re-raise
 that exception in the parent (same type when it pickles, with the rank's traceback text chained
 as the cause). A run still going after ``timeout`` seconds gets the Python stacks of the
 unfinished ranks dumped to stderr, is killed, and raises ``TimeoutError`` naming those ranks.
@@ -51,10 +55,11 @@ class _RemoteTraceback(Exception):
         return self.tb
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` (an IPv4 or IPv6 address) that was free a moment ago."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -107,7 +112,6 @@ def _env_for(rank: int, world_size: int, port: int) -> dict[str, str]:
         "RANK": str(rank), "WORLD_SIZE": str(world_size),
         "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
         "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-        "OMP_NUM_THREADS": "1",
     }
 
 
@@ -144,11 +148,11 @@ def _signal(proc, sig) -> None:
             pass
 
 
-def _stop(procs: list) -> None:
-    """Terminate, then kill, every rank and its process group; join the ranks."""
+def _stop(procs: list, grace_s: float) -> None:
+    """Terminate, then (after ``grace_s``) kill, every rank and its process group; join the ranks."""
     for p in procs:
         _signal(p, signal.SIGTERM)
-    deadline = time.monotonic() + 3.0
+    deadline = time.monotonic() + grace_s
     for p in procs:
         p.join(max(0.0, deadline - time.monotonic()))
     for p in procs:
@@ -183,13 +187,15 @@ def _raise_failure(rank: int, info: tuple, others: list[int]) -> None:
     raise RankError(f"rank {rank} raised {type_name}: {message}{also}\n\nTraceback of rank {rank}:\n{tb}")
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300,
-              env: dict[str, str] | None = None, **kwargs: Any) -> list:
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float | None = 300,
+              env: dict[str, str] | None = None, stop_grace_s: float = 3.0, **kwargs: Any) -> list:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` spawned ranks; return their values by rank.
 
     ``fn`` must be a picklable top-level function, and the arguments and return values picklable.
-    ``timeout`` (seconds, whole run) and ``env`` (extra environment variables for every rank, e.g.
-    ``{"CUDA_VISIBLE_DEVICES": ""}`` to force the CPU path) are not passed on to ``fn``.
+    ``timeout`` (seconds, whole run; None: no limit) and ``env`` (extra environment variables for every rank, e.g.
+    ``{"CUDA_VISIBLE_DEVICES": ""}`` to force the CPU path) are not passed on to ``fn``, nor is
+    ``stop_grace_s``: how long the ranks get between SIGTERM and SIGKILL when the run ends (a rank
+    that stops a server of its own on SIGTERM needs more than the default).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -200,7 +206,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         for rank in range(world_size):
             reader, writer = ctx.Pipe(duplex=False)
             proc = _start(ctx, _child, (writer, rank, fn, args, kwargs),
-                          {**(env or {}), **_env_for(rank, world_size, port)})
+                          {"OMP_NUM_THREADS": "1", **(env or {}), **_env_for(rank, world_size, port)})
             writer.close()  # the parent keeps only the read end: EOF when the child is gone
             procs.append(proc)
             readers.append(reader)
@@ -208,7 +214,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         results: dict[int, Any] = {}
         failures: dict[int, tuple] = {}
         pending = {readers[r]: r for r in range(world_size)}
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + (float("inf") if timeout is None else timeout)
         first_failure_at = None
         while pending:
             now = time.monotonic()
@@ -219,7 +225,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
             wait_for = deadline - now
             if first_failure_at is not None:
                 wait_for = min(wait_for, _GRACE_S - (now - first_failure_at))
-            for conn in wait(list(pending), timeout=max(0.0, wait_for)):
+            for conn in wait(list(pending), timeout=None if wait_for == float("inf") else max(0.0, wait_for)):
                 rank = pending.pop(conn)
                 try:
                     msg = pickle.loads(conn.recv_bytes())
@@ -251,6 +257,6 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
             proc.join(max(0.0, min(10.0, deadline - time.monotonic())))
         return [results[r] for r in range(world_size)]
     finally:
-        _stop(procs)
+        _stop(procs, stop_grace_s)
         for reader in readers:
             reader.close()

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from megatron_grpo.cli import build_parser
+from launch.cli import build_parser
 
 
 def _all_parsers(parser, path=("mgrpo",)):

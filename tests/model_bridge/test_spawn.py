@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from megatron_grpo.testing.dist import RankError, run_ranks
+from model_bridge.spawn import RankError, run_ranks
 
 
 def _whoami(scale, offset=0):

@@ -1,13 +1,16 @@
-"""`mgrpo`: the single command-line entry point.
+"""`mgrpo`: the single command-line entry point and its registry of subcommands.
 
-Each subcommand lives in its own module and is imported only when it runs, so `mgrpo --help`
-stays fast and a missing optional dependency only affects the subcommand that needs it.
+`python -m launch.cli ARGS` is `mgrpo ARGS`. Each subcommand's parser lives in its own module
+(`launch/*_cli.py`, `launch/bench`, `launch/slurm`), whose heavy imports happen only when it runs,
+so `mgrpo --help` stays fast and a missing optional dependency only affects the subcommand that
+needs it.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
+from launch.cli_help import show_defaults
 from megatron_grpo import __version__
 
 
@@ -54,29 +57,6 @@ def _cmd_make_data(args: argparse.Namespace) -> int:
     return 0
 
 
-class DefaultsHelpFormatter(argparse.HelpFormatter):
-    """argparse's help, with an option's default in its help line where the help does not already
-    say it (a None or False default says nothing)."""
-
-    def _get_help_string(self, action):
-        text = action.help or ""
-        silent = action.default is None or action.default is False or action.default == argparse.SUPPRESS  # not 0
-        if "default" not in text and not silent and action.option_strings:
-            text += " (default: %(default)s)"
-        return text
-
-
-def _show_defaults(parser: argparse.ArgumentParser) -> None:
-    """Every subcommand's parser (nested ones too) left with argparse's plain formatter gets
-    :class:`DefaultsHelpFormatter`."""
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for child in action.choices.values():
-                if child.formatter_class is argparse.HelpFormatter:
-                    child.formatter_class = DefaultsHelpFormatter
-                _show_defaults(child)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="mgrpo",
@@ -108,15 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--force", action="store_true", help="write into a non-empty --out")
     s.set_defaults(func=_cmd_make_data)
 
-    from megatron_grpo.rollout.serve_cli import add_serve_parser  # argparse only: vLLM loads in `run_serve`
+    from launch.serve_cli import add_serve_parser  # argparse only: vLLM loads in `run_serve`
 
     add_serve_parser(sub)
 
-    from model_bridge.convert import add_convert_parser  # argparse only: torch/megatron load when it runs
+    from launch.convert_cli import add_convert_parser  # argparse only: torch/megatron load when it runs
 
     add_convert_parser(sub)
 
-    from megatron_grpo.train_cli import add_train_parser
+    from launch.train_cli import add_train_parser
 
     add_train_parser(sub)
 
@@ -127,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     from launch.slurm.cli import add_launch_parser  # argparse only: the config loads when it runs
 
     add_launch_parser(sub)
-    _show_defaults(p)
+    show_defaults(p)
     return p
 
 

@@ -125,7 +125,7 @@ _PREFLIGHT_DONE = "MGRPO_PREFLIGHT_DONE"
 def run_train(args: argparse.Namespace) -> int:
     quiet_known_notices()
     from megatron_grpo.configtree import ConfigKeyError
-    from megatron_grpo.run.ranks import launched_externally, slurm_to_torch_env, spawn_ranks
+    from megatron_grpo.run.ranks import launched_externally, slurm_to_torch_env
 
     try:
         cfg = _load(args)
@@ -143,13 +143,11 @@ def run_train(args: argparse.Namespace) -> int:
             return 2
     if not launched_externally():
         if nproc > 1:
-            argv = ["train"] + (["--config", args.config] if args.config else []) + \
-                   (["--resume", args.resume] if args.resume else []) + list(args.overrides) + \
-                   [f"parallel.nproc={nproc}"]
-            return spawn_ranks(nproc, argv, {_PREFLIGHT_DONE: "1"})
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        from megatron_grpo.run.ranks import _free_port
-        os.environ["MASTER_PORT"] = str(_free_port())
+            return _spawn_train_ranks(args, nproc)
+        from model_bridge.spawn import free_port
+
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
     from megatron_grpo.train import PREEMPTED_MARKER, train
 
     code = train(cfg, resume=bool(args.resume))
@@ -161,3 +159,32 @@ def run_train(args: argparse.Namespace) -> int:
         print("\n".join(["", f"mgrpo train: done ({steps} step{'s' if steps != 1 else ''})", *run_summary(run_dir)]),
               flush=True)
     return code
+
+
+_RANK_STOP_GRACE_S = 30.0
+"""SIGTERM -> SIGKILL grace for a spawned trainer rank: time to stop its local vLLM server."""
+
+
+def _spawn_train_ranks(args: argparse.Namespace, nproc: int) -> int:
+    """Run `mgrpo train` as ``nproc`` ranks on this machine; the first non-zero exit code (a failing
+    rank takes the others down), 130 on Ctrl-C, else 0."""
+    from model_bridge.spawn import run_ranks
+
+    rank_args = argparse.Namespace(**{**vars(args), "overrides": [*args.overrides, f"parallel.nproc={nproc}"]})
+    # each rank gets an even share of the cores unless the user chose
+    threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nproc))
+    try:
+        run_ranks(_train_rank, nproc, rank_args, timeout=None, stop_grace_s=_RANK_STOP_GRACE_S,
+                  env={_PREFLIGHT_DONE: "1", "OMP_NUM_THREADS": threads})
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def _train_rank(args: argparse.Namespace) -> None:
+    """One spawned rank: the run's own exit code, raised so that a failing rank stops the others."""
+    code = run_train(args)
+    if code:
+        raise SystemExit(code)

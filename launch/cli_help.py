@@ -1,0 +1,29 @@
+"""The help formatter every `mgrpo` parser uses (a leaf: argparse only, so any CLI module can import it)."""
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["DefaultsHelpFormatter", "show_defaults"]
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """argparse's help, with an option's default in its help line where the help does not already
+    say it (a None or False default says nothing)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        silent = action.default is None or action.default is False or action.default == argparse.SUPPRESS  # not 0
+        if "default" not in text and not silent and action.option_strings:
+            text += " (default: %(default)s)"
+        return text
+
+
+def show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every subcommand's parser (nested ones too) left with argparse's plain formatter gets
+    :class:`DefaultsHelpFormatter`."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                if child.formatter_class is argparse.HelpFormatter:
+                    child.formatter_class = DefaultsHelpFormatter
+                show_defaults(child)
