@@ -186,10 +186,17 @@ def _commit_turn(ctx: RolloutContext, state: RolloutState, res: GenerateResult) 
                 ctx.warned.add("r3")
             state.routed_rows = None
         else:
-            # rows for the positions [covered so far, prompt + kept ids - 1): a cut turn (above)
+            # rows for the positions [covered so far, prompt + sampled ids - 1); a cut turn (above)
             # drops the rows of the ids it drops
-            keep = len(state.input_ids) + len(ids) - 1 - sum(r.shape[0] for r in state.routed_rows)
-            state.routed_rows.append(np.asarray(res.routed_experts)[:max(keep, 0)])
+            rows = np.asarray(res.routed_experts)
+            covered = sum(r.shape[0] for r in state.routed_rows)
+            want = len(state.input_ids) + len(res.token_ids) - 1 - covered
+            if rows.shape[0] != want:
+                raise RolloutConsistencyError(
+                    f"turn {state.num_turns + 1} ({res.url}): the server returned {rows.shape[0]} routed-expert "
+                    f"rows from position {covered} (routed_experts_prompt_start) for a prompt of "
+                    f"{len(state.input_ids)} and {len(res.token_ids)} sampled tokens: expected {want}")
+            state.routed_rows.append(rows[:len(state.input_ids) + len(ids) - 1 - covered])
     state.input_ids.extend(ids)
     state.loss_mask.extend([1] * len(ids))
     state.logprobs.extend(lps)
