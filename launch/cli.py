@@ -107,6 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     from launch.slurm.cli import add_launch_parser  # argparse only: the config loads when it runs
 
     add_launch_parser(sub)
+
+    from launch.report.cli import add_report_parser  # argparse only: the report loads when it runs
+
+    add_report_parser(sub)
     show_defaults(p)
     return p
 

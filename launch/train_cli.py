@@ -58,9 +58,10 @@ def _load(args):
     return load_train_config(args.config, overrides)
 
 
-def _check_model_fits(cfg, world_size: int) -> None:
-    """Build the embedded inputs if needed, then check the layout against the checkpoint and read
-    every data row (a bad row fails here, in one line, not after the vLLM server has started)."""
+def _check_model_fits(cfg, world_size: int) -> list[str]:
+    """Build the embedded inputs if needed, then check the layout against the checkpoint, read
+    every data row and size the local vLLM server from them (a bad row or one that cannot fit fails
+    here, in one line each, not after the server has started). Returns the sizes as overrides."""
     from megatron_grpo.run.embedded import ensure_embedded_inputs
     from model_bridge.config import ParallelLayout, check_layout, read_omni_config
 
@@ -78,7 +79,25 @@ def _check_model_fits(cfg, world_size: int) -> None:
         if cfg.rollout.server == "remote":
             _check_servers_answer(cfg.rollout.server_urls, cfg.rollout.connect_timeout_s)
         # DataError (a ValueError) names file, line, fix; skipped rows are logged once, by the run
-        read_jsonl(cfg.data.train_jsonl, cfg.data, log_skips=False)
+        rows = read_jsonl(cfg.data.train_jsonl, cfg.data, log_skips=False)
+        if cfg.rollout.server == "local":  # RowsDoNotFit: one line per row that cannot fit
+            return _size_local_server(cfg, rows)
+    return []
+
+
+def _size_local_server(cfg, rows) -> list[str]:
+    """Size the local vLLM server from the data (megatron_grpo/run/sizing.py) into `cfg`; returns
+    the overrides that carry the sizes to the ranks spawned next."""
+    from megatron_grpo.run.sizing import size_server
+
+    auto = cfg.serve.max_model_len == "auto"
+    sized = size_server(cfg, rows)
+    cfg.serve.max_model_len, cfg.serve.max_audio_seconds = sized.max_model_len, sized.max_audio_seconds
+    if auto:
+        print(f"[train] serve.max_model_len=auto: {sized.max_model_len} tokens (longest prompt "
+              f"{sized.longest_prompt} + {cfg.rollout.max_turns} turns of {cfg.rollout.max_new_tokens}); "
+              f"audio decode limit {sized.max_audio_seconds:g} s", flush=True)
+    return [f"serve.max_model_len={sized.max_model_len}", f"serve.max_audio_seconds={sized.max_audio_seconds}"]
 
 
 def _check_run_dir(run_dir: str, resume: bool) -> None:
@@ -114,8 +133,17 @@ def _error_kind(e: Exception) -> str:
     data error, everything else (keys, values, layout, run dir) a config error."""
     from megatron_grpo.data.audio import AudioError
     from megatron_grpo.data.schema import DataError
+    from megatron_grpo.run.sizing import RowsDoNotFit
 
-    return "data error" if isinstance(e, (DataError, AudioError)) else "config error"
+    return "data error" if isinstance(e, (DataError, AudioError, RowsDoNotFit)) else "config error"
+
+
+def _report_line(cfg, run_dir: Path) -> str:
+    """How to read the run's trajectories (`mgrpo report`), or how to keep some for it."""
+    if cfg.logging.trajectories.every > 0 or (cfg.rollout.record_dir and cfg.rollout.server != "replay"):
+        return f"trajectories: `mgrpo report {run_dir}` writes them as web pages ({run_dir}/report/index.html)"
+    return ("trajectories: none kept; add logging.trajectories.every=N to read every N-th step with "
+            "`mgrpo report RUN_DIR`")
 
 
 _PREFLIGHT_DONE = "MGRPO_PREFLIGHT_DONE"
@@ -137,10 +165,12 @@ def run_train(args: argparse.Namespace) -> int:
     if os.environ.get("RANK", "0") == "0" and not os.environ.get(_PREFLIGHT_DONE):
         try:  # fail fast, in one line, before any rank starts (once: not again in the ranks spawned below)
             _check_run_dir(cfg.trainer.run_dir, bool(args.resume))
-            _check_model_fits(cfg, int(os.environ.get("WORLD_SIZE", nproc)))
+            sized = _check_model_fits(cfg, int(os.environ.get("WORLD_SIZE", nproc)))
         except ValueError as e:
-            print(f"mgrpo train: {_error_kind(e)}: {e}", file=sys.stderr)
+            for line in str(e).splitlines():  # several rows that cannot fit: one line each
+                print(f"mgrpo train: {_error_kind(e)}: {line}", file=sys.stderr)
             return 2
+        args.overrides = list(args.overrides) + sized
     if not launched_externally():
         if nproc > 1:
             return _spawn_train_ranks(args, nproc)
@@ -148,16 +178,22 @@ def run_train(args: argparse.Namespace) -> int:
 
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(free_port()))
+    from megatron_grpo.run.failures import RolloutFailed
     from megatron_grpo.train import PREEMPTED_MARKER, train
 
-    code = train(cfg, resume=bool(args.resume))
+    try:
+        code = train(cfg, resume=bool(args.resume))
+    except RolloutFailed as e:  # every rank gets it; rank 0 says it, once (the trace is in the run dir)
+        if os.environ.get("RANK", "0") == "0":
+            print(f"mgrpo train: rollout error: {e}", file=sys.stderr, flush=True)
+        return 1
     run_dir = Path(cfg.trainer.run_dir)
     if code == 0 and os.environ.get("RANK", "0") == "0" and not (run_dir / PREEMPTED_MARKER).exists():
         from megatron_grpo.metrics import run_summary
 
         steps = cfg.trainer.steps
-        print("\n".join(["", f"mgrpo train: done ({steps} step{'s' if steps != 1 else ''})", *run_summary(run_dir)]),
-              flush=True)
+        print("\n".join(["", f"mgrpo train: done ({steps} step{'s' if steps != 1 else ''})", *run_summary(run_dir),
+                         _report_line(cfg, run_dir)]), flush=True)
     return code
 
 

@@ -13,7 +13,7 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 import torch
 
@@ -73,8 +73,14 @@ class ParallelConfig:
 class ServeConfig:
     """The vLLM server `mgrpo train` starts itself when rollout.server is "local"."""
 
-    max_model_len: int = 4096
-    """Longest conversation the server accepts, in tokens."""
+    max_model_len: Union[int, Literal["auto"]] = "auto"
+    """Longest conversation the server accepts, in tokens. auto: sized by `mgrpo train` from the
+    data before start-up: the longest prompt (its audio counted by the processor's rule) plus
+    rollout.max_turns turns of rollout.max_new_tokens, at least 4096, capped by the model's positions; rows
+    that cannot fit are refused then, one line each (megatron_grpo/run/sizing.py)."""
+    max_audio_seconds: Optional[float] = None
+    """Longest clip the server decodes (vLLM's VLLM_MAX_AUDIO_DECODE_DURATION_S and its clip-size
+    limits follow it). None: the data's longest recording, at least vLLM's 600 s."""
     max_num_seqs: int = 32
     """Sequences the server decodes at once."""
     dtype: str = "auto"
@@ -89,6 +95,14 @@ class ServeConfig:
     """Seconds to wait for the server's /health."""
     extra_args: list[str] = field(default_factory=list)
     """Further vLLM arguments, verbatim."""
+
+    def __post_init__(self):
+        m = self.max_model_len
+        if m != "auto" and (isinstance(m, bool) or not isinstance(m, int) or m < 16):
+            raise ValueError(f"serve.max_model_len must be auto or a number of tokens >= 16, got {m!r}")
+        a = self.max_audio_seconds
+        if a is not None and (isinstance(a, bool) or not isinstance(a, (int, float)) or not a > 0):
+            raise ValueError(f"serve.max_audio_seconds must be unset or a number of seconds > 0, got {a!r}")
 
 
 @dataclass
@@ -142,6 +156,27 @@ class CheckpointSection:
 
 
 @dataclass
+class TrajectoryLogSection:
+    """A step's trajectories kept for `mgrpo report` (megatron_grpo/run/trajlog.py): text, token ids,
+    rollout and trainer logprobs, rewards, advantages and clips, in run_dir/trajectories/."""
+
+    every: int = 0
+    """Keep steps 1, 1+every, 1+2*every, ...; 0 keeps none (rollout.record_dir keeps every step)."""
+    max_samples: int = 64
+    """At most this many samples of a kept step, whole groups first."""
+
+    def __post_init__(self):
+        for name in ("every", "max_samples"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < (0 if name == "every" else 1):
+                raise ValueError(f"logging.trajectories.{name} must be an int >= {0 if name == 'every' else 1}, "
+                                 f"got {v!r}")
+
+    def keeps(self, step: int) -> bool:
+        return self.every > 0 and (step - 1) % self.every == 0
+
+
+@dataclass
 class LoggingSection:
     """What the run shows and writes."""
 
@@ -151,6 +186,8 @@ class LoggingSection:
     """TensorBoard event files in run_dir/tensorboard."""
     plot: bool = True
     """run_dir/curves.png with reward and loss, refreshed every step."""
+    trajectories: TrajectoryLogSection = field(default_factory=TrajectoryLogSection)
+    """Trajectories kept for `mgrpo report` (docs/training.md, 'Read a run: mgrpo report')."""
 
 
 @dataclass

@@ -108,6 +108,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
     from megatron_grpo.packing import PackingConfig, plan_step, round_up
     from megatron_grpo.run.embedded import ensure_embedded_inputs
     from megatron_grpo.run.rollout_side import open_feed, open_side
+    from megatron_grpo.run.to_ranks import deliver, dp_ranks_of_all
+    from megatron_grpo.run.trajlog import TrajectoryLog
     from model_bridge.config import ParallelLayout
     from model_bridge.parallel import destroy_parallel, init_parallel
 
@@ -148,6 +150,10 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
                               routing_replay=cfg.rollout.routing_replay or None)
         logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, plot=cfg.logging.plot) if rank == 0 else None
         feed = open_feed(cfg, side, data, rank)  # rollout.server replay: a recording's steps, no server, no push
+        kept = TrajectoryLog(cfg, run_dir, rank)  # trainer logprobs beside recordings, logging.trajectories
+        dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        to_ranks = functools.partial(deliver, plan_of=functools.partial(plan_step, dp_size=dp_size, config=packing),
+                                     dp_of_rank=dp_ranks_of_all(dp_rank), broadcast=_broadcast)
 
         start = 0
         if resume:
@@ -161,7 +167,6 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
         if start > 0 or resume:  # the server must serve the checkpoint's weights, not the HF dir's
             feed.push(engine.model, start)
 
-        dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         bar = None
         if rank == 0 and cfg.logging.progress:
             from tqdm import tqdm
@@ -180,7 +185,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
                 with wd.step(step):
                     times = {}
                     t0 = time.monotonic()
-                    trajs, extra = feed.take(step, _broadcast)     # 1-2. rollout (rank 0), advantages
+                    trajs, extra = feed.take(step, to_ranks)       # 1-2. rollout (rank 0), advantages
                     times["rollout"] = time.monotonic() - t0
                     if step < cfg.trainer.steps:
                         feed.prefetch(step + 1)  # rollout.overlap: step+1 rolls out while this step trains
@@ -190,8 +195,12 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
                                                    n_window=engine.spec.audio.n_window,
                                                    routes=cfg.rollout.routing_replay == "r3")
                     check_schedule(StepSchedule.from_microbatches(step, mbs))
+                    lps = {} if kept.wants(step) else None
                     with wd.collective("train_step"):                           # 4. train
-                        train_metrics = train_step(engine, mbs, step_cfg, step=step)
+                        train_metrics = train_step(engine, mbs, step_cfg, step=step, logprobs_out=lps)
+                    if lps is not None:
+                        with wd.collective("keep_trajectories"):
+                            kept.keep(step, trajs, lps)
                     train_metrics["padding_fraction"] = plan.padding_fraction
                     if torch.cuda.is_available():
                         train_metrics["memory/peak_gib"] = peak_memory_gib()  # max over ranks

@@ -35,6 +35,8 @@ import traceback
 from multiprocessing.connection import wait
 from typing import Any, Callable
 
+from model_bridge.lifeline import PARENT_ENV, die_with_parent
+
 __all__ = ["run_ranks", "RankError", "free_port"]
 
 _GRACE_S = 1.0  # after a first failure, how long to wait for the other ranks' own reports
@@ -70,13 +72,10 @@ def _detach() -> None:
         os.setpgid(0, 0)
     except (AttributeError, OSError):
         pass
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
+    try:
+        die_with_parent()  # PR_SET_PDEATHSIG, and exits at once if the parent is already gone
+    except OSError:
+        pass
 
 
 def _child(conn, rank: int, fn: Callable, args: tuple, kwargs: dict) -> None:
@@ -117,6 +116,7 @@ def _env_for(rank: int, world_size: int, port: int) -> dict[str, str]:
 
 def _start(ctx, target, args, env: dict[str, str]):
     """Start a spawn process whose environment is the parent's plus ``env``."""
+    env = {**env, PARENT_ENV: str(os.getpid())}  # die_with_parent in `_detach` reads it
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:

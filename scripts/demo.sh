@@ -15,6 +15,6 @@ if [ -e "$RUN_DIR" ]; then  # a fresh demo each time, but only ever over an earl
     rm -rf "$RUN_DIR"
 fi
 t0=$(date +%s)
-.venv/bin/mgrpo train trainer.run_dir="$RUN_DIR" "$@"
+.venv/bin/mgrpo train trainer.run_dir="$RUN_DIR" logging.trajectories.every=5 "$@"
 echo
 echo "== demo finished in $(( $(date +%s) - t0 )) s (the reward curve: $RUN_DIR/curves.png) =="

@@ -17,6 +17,18 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3.11}
 STAMP="$VENV/.mgrpo-install-stamp"
+# Debian's chromium: the real headless browser the report tests load pages in (tests/launch/test_report.py).
+# Checked on every run (not behind the stamp): a machine may have the venv and not the browser.
+if ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[install] installing Debian's chromium (headless browser for the report tests)"
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+  else
+    echo "[install] note: chromium is missing and cannot be apt-installed here (needs root and apt-get);" \
+         "the report tests need it: apt-get install chromium"
+  fi
+fi
 want=$(cat scripts/install.sh setup.py | sha256sum | cut -d' ' -f1)
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ] && [ -x "$VENV/bin/python" ]; then
   echo "[install] $VENV is up to date"

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -55,23 +57,113 @@ def tiny_ckpt() -> Path:
     return build_cached_tiny()
 
 
+def session_server_spec(ckpt: Path):
+    """The session server's spec: exactly the server `mgrpo train` starts for `ckpt` with the
+    embedded default's settings (rollout.server local: fp32 on CPU, our worker extension, the gloo
+    weight-transfer backend), so tests of that server and `mgrpo train ... rollout.server=remote`
+    runs share it instead of starting their own. It returns routed experts (R3), as `mgrpo train`
+    starts it for rollout.return_routed_experts."""
+    from megatron_grpo.config import ModelConfig, ServeConfig, TrainConfig
+    from megatron_grpo.rollout.config import RolloutConfig
+    from megatron_grpo.run.rollout_side import local_server_spec
+
+    # serve.max_model_len "auto" is sized from a run's data; 4096 holds every test's conversations
+    return local_server_spec(TrainConfig(model=ModelConfig(hf_dir=str(ckpt)), serve=ServeConfig(max_model_len=4096),
+                                         rollout=RolloutConfig(return_routed_experts=True)))
+
+
+_SESSION_SERVER: dict = {}
+"""The session vLLM server, started in a background thread once collection shows a test needs it
+(`pytest_collection_finish`): its minute of start-up overlaps the tests that run before the first
+one using it. Keys: thread, server, error."""
+
+
+def _start_session_server(log: Path) -> None:
+    from megatron_grpo.rollout.server import VLLMServer
+
+    spec = session_server_spec(build_cached_tiny())  # built here: the tests' own build must not race it
+
+    def run():
+        try:
+            _SESSION_SERVER["server"] = VLLMServer(spec, log)
+            _SESSION_SERVER["server"].start(timeout=900, progress=False)
+        except BaseException as e:  # noqa: BLE001 - re-raised by the fixture in the test's thread
+            _SESSION_SERVER["error"] = e
+
+    _SESSION_SERVER["thread"] = threading.Thread(target=run, name="vllm-session-server", daemon=True)
+    _SESSION_SERVER["thread"].start()
+
+
+def pytest_collection_finish(session):
+    if session.config.option.collectonly:
+        return
+    if any("vllm_server" in getattr(item, "fixturenames", ()) for item in session.items):
+        factory = getattr(session.config, "_tmp_path_factory", None)
+        logdir = factory.mktemp("vllm") if factory is not None else Path(tempfile.mkdtemp(prefix="mgrpo-vllm-"))
+        _start_session_server(logdir / "server.log")
+
+
+def pytest_sessionfinish(session):
+    thread = _SESSION_SERVER.get("thread")
+    if thread is None:
+        return
+    # stop it even while it is still starting: an interrupted run must not wait for the start-up
+    while thread.is_alive() and getattr(_SESSION_SERVER.get("server"), "proc", None) is None:
+        thread.join(0.1)
+    if _SESSION_SERVER.get("server") is not None:
+        _SESSION_SERVER["server"].stop()
+    thread.join()
+
+
 @pytest.fixture(scope="session")
-def vllm_server(tiny_ckpt, tmp_path_factory):
-    """A real vLLM CPU server on a free loopback port serving the tiny checkpoint in fp32.
+def vllm_server(tiny_ckpt):
+    """A real vLLM CPU server on a free loopback port serving the tiny checkpoint in fp32: the
+    server `mgrpo train` starts for it (`session_server_spec`), one for the whole test run.
 
     It loads our worker extension and the weight-transfer backend (gloo on CPU), so the weight-sync
-    tests push into this same server; they push the checkpoint's weights back when done. It returns
-    routed experts (R3) when asked (``routed_experts_prompt_start``), as `mgrpo train` starts it
-    for rollout.return_routed_experts.
-    Start-up takes about a minute on 2 cores; the server is stopped (by process group) at the end.
+    tests and `mgrpo train rollout.server=remote` runs push into this same server; they push the
+    checkpoint's weights back when done (`restore_checkpoint_weights`). Start-up takes about a
+    minute on 2 cores and begins in the background when collection ends; the server is stopped
+    (by process group) when the test run ends.
+    It returns routed experts (R3: rollout.return_routed_experts, vLLM's flag; on CPU our worker
+    extension captures them), which runs that do not ask for them ignore.
     """
-    from megatron_grpo.rollout.server import DEFAULT_WORKER_EXTENSION, ServerSpec, VLLMServer
+    if "thread" not in _SESSION_SERVER:  # collected in a way our hook did not see
+        _start_session_server(Path(tempfile.mkdtemp(prefix="mgrpo-vllm-")) / "server.log")
+    _SESSION_SERVER["thread"].join()
+    if "error" in _SESSION_SERVER:
+        raise _SESSION_SERVER["error"]
+    server = _SESSION_SERVER["server"]
+    assert Path(server.spec.model) == tiny_ckpt
+    return server
 
-    log = tmp_path_factory.mktemp("vllm") / "server.log"
-    spec = ServerSpec(model=str(tiny_ckpt), served_model_name="tiny", dtype="float32",
-                      max_model_len=4096, max_num_seqs=8,
-                      worker_extension=DEFAULT_WORKER_EXTENSION, weight_transfer_backend="auto",
-                      return_routed_experts=True)
-    server = VLLMServer(spec, log).start(timeout=900)
-    yield server
-    server.stop()
+
+def checkpoint_weights(ckpt: Path):
+    """(on-disk name, tensor) of what `mgrpo train` pushes: the thinker without its vision tower."""
+    from safetensors import safe_open
+
+    for f in sorted(Path(ckpt).glob("*.safetensors")):
+        with safe_open(f, "pt") as st:
+            for k in st.keys():
+                if k.startswith("thinker.") and not k.startswith("thinker.visual."):
+                    yield k, st.get_tensor(k)
+
+
+def restore_checkpoint_weights(server) -> None:
+    """Push the served checkpoint's own weights back into `server` as version "default"."""
+    from megatron_grpo.weight_sync import WeightReceiver, push
+
+    rx = WeightReceiver(server.url, backend="gloo", transfer_timeout_s=120)
+    try:
+        push(checkpoint_weights(Path(server.spec.model)), "default", [rx])
+        assert rx.weight_version() == "default" and not rx.is_paused()
+    finally:
+        rx.close()
+
+
+@pytest.fixture
+def remote_server(vllm_server):
+    """The session server for one `mgrpo train rollout.server=remote` run, which pushes its weights
+    into it: the checkpoint's weights are pushed back afterwards for the tests that follow."""
+    yield vllm_server
+    restore_checkpoint_weights(vllm_server)

@@ -270,11 +270,25 @@ def _srun_resources(cfg, plan: SlurmPlan) -> str:
     return " ".join(parts)
 
 
+def _serve_max_model_len(cfg) -> int:
+    """The rollout nodes' context length: serve.max_model_len, or with auto the model's positions
+    (the data-sized auto is for the server `mgrpo train` starts itself), 4096 where the checkpoint
+    cannot be read from here."""
+    if cfg.serve.max_model_len != "auto":
+        return int(cfg.serve.max_model_len)
+    from megatron_grpo.run.sizing import model_positions
+
+    try:
+        return model_positions(cfg.model.hf_dir)
+    except (OSError, KeyError, ValueError, TypeError):
+        return 4096
+
+
 def _serve_args(cfg, plan: SlurmPlan) -> list[str]:
     s = cfg.serve
     return ["--model", str(cfg.model.hf_dir), "--port", str(cfg.launch.serve_port),
             "--tp", str(plan.serve_tp), "--dp", str(plan.serve_dp), "--served-model-name", "policy",
-            "--dtype", _serve_dtype(cfg, plan), "--max-model-len", str(s.max_model_len),
+            "--dtype", _serve_dtype(cfg, plan), "--max-model-len", str(_serve_max_model_len(cfg)),
             "--max-num-seqs", str(s.max_num_seqs), "--max-audio-per-prompt", str(s.max_audio_per_prompt),
             "--startup-timeout", f"{s.startup_timeout_s:g}", *map(str, s.extra_args), *map(str, cfg.launch.serve_args)]
 

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from typing import Any, Literal, Optional
 
 MiB = 1 << 20
+MODEL_MAX_AUDIO_SECONDS = 2400.0
+"""Qwen3-Omni's audio limit: recordings up to 40 minutes."""
 
 __all__ = ["DataConfig"]
 
@@ -19,9 +21,10 @@ class DataConfig:
     ``audios``, optional ``tools`` and extra columns such as ``ground_truth``)."""
     dev_jsonl: Optional[str] = None
     """Optional held-out prompts in the same format (evaluation only)."""
-    max_audio_seconds: float = 600.0
-    """Longest clip accepted, in seconds; a longer one is a bad row.  (vLLM's own decode limit
-    ``VLLM_MAX_AUDIO_DECODE_DURATION_S`` is 600 by default.)"""
+    max_audio_seconds: float = MODEL_MAX_AUDIO_SECONDS
+    """Longest clip accepted, in seconds; a longer one is a bad row.  Default: the model's limit,
+    40 minutes for Qwen3-Omni.  The local vLLM server's decode limit
+    (``VLLM_MAX_AUDIO_DECODE_DURATION_S``, 600 s in vLLM) is raised to the data's longest clip."""
     min_audio_seconds: float = 0.1
     """Shortest clip accepted, in seconds (0.1 s = 10 mel frames = 2 audio tokens; a clip of 160
     samples or fewer cannot even be featurised on its own)."""

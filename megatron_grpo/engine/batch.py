@@ -34,7 +34,8 @@ __all__ = ["TrainMicroBatch", "Featurizer", "build_train_microbatches", "featuri
            "padding_summary"]
 
 Featurizer = Callable[[Sequence[np.ndarray]], tuple[torch.Tensor, torch.Tensor]]
-"""waveforms (16 kHz float mono, one per clip) -> (features [M, F_total], feature_lens [A])."""
+"""waveforms (16 kHz float mono, one per clip) -> (features [M, F_total], feature_lens [A]). Each clip is
+featurised on its own (`build_train_microbatches` calls it one clip at a time and caches per clip)."""
 
 
 @dataclass(frozen=True)
@@ -181,16 +182,23 @@ def featurizer_from_extractor(feature_extractor) -> Featurizer:
 # --------------------------------------------------------------------------------------------
 
 
-def _sample_audio(i: int, traj, featurize: Optional[Featurizer], n_window: int):
-    """(features [M, F_i], lens [A_i]) of sample i, checked against its audio-token runs."""
+def _sample_audio(i: int, traj, featurize: Optional[Featurizer], n_window: int, cache: dict):
+    """(features [M, F_i], lens [A_i]) of sample i, checked against its audio-token runs. Each clip
+    is featurised on its own, once per clip object (``cache``: a recording shared by a group's
+    generations is one object, `megatron_grpo.run.to_ranks`)."""
     from model_bridge.modeling.audio import audio_output_lengths
 
     if featurize is None:
         raise ValueError(f"sample {i} (prompt {traj.prompt_index}) has {len(traj.audios)} audio clip(s) but "
                          "no featurizer was given: pass featurize= or feature_extractor=")
-    feats, lens = featurize(list(traj.audios))
-    feats = torch.as_tensor(feats, dtype=torch.float32)
-    lens = torch.as_tensor(lens, dtype=torch.long).reshape(-1)
+    parts = []
+    for a in traj.audios:
+        if id(a) not in cache:
+            f, ln = featurize([a])
+            cache[id(a)] = (a, torch.as_tensor(f, dtype=torch.float32), torch.as_tensor(ln, dtype=torch.long).reshape(-1))
+        parts.append(cache[id(a)][1:])
+    feats = torch.cat([f for f, _ in parts], dim=1)
+    lens = torch.cat([ln for _, ln in parts])
     if lens.numel() != len(traj.audios) or int(lens.sum()) != feats.shape[-1]:
         raise ValueError(f"sample {i}: the featurizer returned {lens.numel()} lengths summing to {int(lens.sum())} "
                          f"for {len(traj.audios)} clips and {feats.shape[-1]} frames")
@@ -219,26 +227,28 @@ def build_train_microbatches(trajectories: Sequence, plan: PackPlan, dp_rank: in
     ``routed_experts_TLK`` (R3, ``engine.routes.pack_routes``).
     """
     n = len(trajectories)
-    if len(plan.lengths) != n or any(len(t.input_ids_T) != L for t, L in zip(trajectories, plan.lengths)):
+    mine = [i for mb in plan.microbatches[dp_rank] for i in mb]  # only these are read: the others may be
+    if len(plan.lengths) != n or any(len(trajectories[i].input_ids_T) != plan.lengths[i] for i in mine):
         raise ValueError(f"the plan was made for {len(plan.lengths)} samples with other lengths than these "
-                         f"{n} trajectories")
+                         f"{n} trajectories")  # placeholders (run/to_ranks.py: Elsewhere)
     if featurize is None and feature_extractor is not None:
         featurize = featurizer_from_extractor(feature_extractor)
     if advantages_N is None:
-        advantages_N = torch.tensor([float(t.advantage) for t in trajectories], dtype=torch.float32)
+        advantages_N = torch.zeros(n, dtype=torch.float32)
+        advantages_N[mine] = torch.tensor([float(trajectories[i].advantage) for i in mine], dtype=torch.float32)
     advantages_N = torch.as_tensor(advantages_N, dtype=torch.float32).reshape(-1)
     if advantages_N.shape[0] != n:
         raise ValueError(f"advantages_N has {advantages_N.shape[0]} values for {n} samples")
-    ids = [torch.as_tensor(t.input_ids_T, dtype=torch.long) for t in trajectories]
-    masks = [torch.as_tensor(t.loss_mask_T, dtype=torch.bool) for t in trajectories]
+    ids = {i: torch.as_tensor(trajectories[i].input_ids_T, dtype=torch.long) for i in mine}
+    masks = {i: torch.as_tensor(trajectories[i].loss_mask_T, dtype=torch.bool) for i in mine}
     mbs = build_rank_microbatches(plan, dp_rank, ids, masks, config)
-    rollout = [torch.as_tensor(t.rollout_logprobs_T, dtype=torch.float32) for t in trajectories]
+    rollout = {i: torch.as_tensor(trajectories[i].rollout_logprobs_T, dtype=torch.float32) for i in mine}
     refs = None
     if ref_logprobs_by_sample is not None:
         if len(ref_logprobs_by_sample) != n:
             raise ValueError(f"ref_logprobs_by_sample has {len(ref_logprobs_by_sample)} entries for {n} samples")
         refs = [torch.as_tensor(r, dtype=torch.float32) for r in ref_logprobs_by_sample]
-    out = []
+    out, clip_features = [], {}
     for mb in mbs:
         rollout_T = pack_per_token(mb, rollout)
         sid = mb.sample_index_T
@@ -247,7 +257,7 @@ def build_train_microbatches(trajectories: Sequence, plan: PackPlan, dp_rank: in
         feats, lens = [], []
         for i in mb.sample_ids:
             if trajectories[i].audios:
-                f, ln = _sample_audio(i, trajectories[i], featurize, n_window)
+                f, ln = _sample_audio(i, trajectories[i], featurize, n_window, clip_features)
                 feats.append(f)
                 lens.append(ln)
         routes_TLK = None

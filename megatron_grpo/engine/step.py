@@ -263,15 +263,19 @@ def _count_samples(keep_T: torch.Tensor, sample_index_T: torch.Tensor) -> int:
     return int(torch.unique(ids).numel())
 
 
-def _loss_for(vocab_size: int, config: StepConfig, norms: dict, scale: float, tmb: TrainMicroBatch,
-              output: torch.Tensor, lm_head_weight: Optional[torch.Tensor] = None):
+def _loss_for(vocab_size: int, config: StepConfig, norms: dict, scale: float, logprobs_out: Optional[dict],
+              tmb: TrainMicroBatch, output: torch.Tensor, lm_head_weight: Optional[torch.Tensor] = None):
     """The loss megatron backpropagates for one micro-batch (``share * M * dp``) and its metrics.
-    ``output``: the logits, or the final hidden states with ``lm_head_weight`` (fused path)."""
+    ``output``: the logits, or the final hidden states with ``lm_head_weight`` (fused path).
+    ``logprobs_out``: when a dict, each sample's behaviour logprobs (float32 [L_i], CPU) go into it
+    by global sample id (:func:`train_step`)."""
     mask_T = tmb.loss_mask_T.to(torch.bool)
     lp_T, ent_T = token_logprobs(output, tmb.input_ids_T, tmb.cu_seqlens_S, vocab_size=vocab_size,
                                  token_mask_T=mask_T, chunk_size=config.logprob_chunk_size,
                                  with_entropy=config.with_entropy, lm_head_weight=lm_head_weight)
     old_T = tmb.old_logprobs_T if tmb.old_logprobs_T is not None else lp_T.detach()
+    if logprobs_out is not None:
+        _keep_sample_logprobs(logprobs_out, tmb, old_T)
     isr = importance_weights(old_T, tmb.rollout_logprobs_T, mask_T, tmb.sample_index_T, config=config.importance,
                              global_num_tokens=norms["loss_tokens"], global_num_samples=norms["loss_samples"])
     loss, metrics = policy_loss(lp_T, old_T, tmb.advantages_T, isr.keep_mask_T, tmb.sample_index_T,
@@ -280,6 +284,14 @@ def _loss_for(vocab_size: int, config: StepConfig, norms: dict, scale: float, tm
                                 is_weights_T=isr.weights_T, entropy_T=ent_T)
     metrics.update(isr.metrics)
     return loss * scale, metrics
+
+
+def _keep_sample_logprobs(out: dict, tmb: TrainMicroBatch, logprobs_T: torch.Tensor) -> None:
+    """``out[sample id] = `` the sample's slice of ``logprobs_T`` (token-aligned, float32, CPU)."""
+    cu = tmb.cu_seqlens_S.tolist()
+    lp_T = logprobs_T.detach().to(torch.float32).cpu()
+    for k, sid in enumerate(tmb.sample_ids):
+        out[int(sid)] = lp_T[cu[k]:cu[k + 1]].clone()
 
 
 def _moe_aux_metric(num_microbatches: int) -> dict[str, float]:
@@ -299,7 +311,7 @@ def _moe_aux_metric(num_microbatches: int) -> dict[str, float]:
 
 
 def forward_backward(engine, microbatches: Sequence[TrainMicroBatch], config: StepConfig, *,
-                     force_all_reduce: bool = False) -> dict[str, float]:
+                     force_all_reduce: bool = False, logprobs_out: Optional[dict] = None) -> dict[str, float]:
     """Steps 1-4 of the module doc: gradients of the step loss end up reduced in the DDP buffers
     (``param.main_grad``; with the distributed optimizer each DP rank holds its shard reduced, or
     everything with ``force_all_reduce``). Does not zero the grads first (``train_step`` does)."""
@@ -351,7 +363,7 @@ def forward_backward(engine, microbatches: Sequence[TrainMicroBatch], config: St
     except ImportError:  # pragma: no cover
         pass
     collected = run_schedule(engine.model, microbatches,
-                             partial(_loss_for, engine.spec.text.vocab_size, config, norms, scale),
+                             partial(_loss_for, engine.spec.text.vocab_size, config, norms, scale, logprobs_out),
                              forward_only=False, force_all_reduce=force_all_reduce,
                              fused_lm_head=config.fused_lm_head, routes=routes)
     local = reduce_metrics(collected) if collected else {}
@@ -418,8 +430,14 @@ def optimizer_update(engine, guard: Optional[NonFiniteGuard] = None, step: Optio
 
 
 def train_step(engine, microbatches: Sequence[TrainMicroBatch], config: StepConfig, *,
-               guard: Optional[NonFiniteGuard] = None, step: Optional[int] = None) -> dict[str, float]:
-    """Zero the grads, :func:`forward_backward`, :func:`optimizer_update`; the merged metrics."""
+               guard: Optional[NonFiniteGuard] = None, step: Optional[int] = None,
+               logprobs_out: Optional[dict] = None) -> dict[str, float]:
+    """Zero the grads, :func:`forward_backward`, :func:`optimizer_update`; the merged metrics.
+
+    ``logprobs_out`` (a dict): filled on the last pipeline stage with the trainer's behaviour
+    logprobs of each of this rank's samples, ``{global sample id: float32 [L_i]}`` (token-aligned
+    like ``Trajectory.rollout_logprobs_T``, 0 off the loss mask), the ones the rollout correction
+    compares with vLLM's; a copy to the CPU per micro-batch, so ask only on steps that keep them."""
     for m in engine.model:
         m.zero_grad_buffer()
     engine.optimizer.zero_grad()
@@ -427,6 +445,6 @@ def train_step(engine, microbatches: Sequence[TrainMicroBatch], config: StepConf
         guard = engine.extra.get("nonfinite_guard")
         if guard is None or guard.max_consecutive != config.max_consecutive_skips:
             guard = engine.extra["nonfinite_guard"] = NonFiniteGuard(config.max_consecutive_skips)
-    metrics = forward_backward(engine, microbatches, config)
+    metrics = forward_backward(engine, microbatches, config, logprobs_out=logprobs_out)
     metrics.update(optimizer_update(engine, guard, step))
     return metrics

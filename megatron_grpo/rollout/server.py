@@ -27,6 +27,7 @@ from pathlib import Path
 
 import requests
 
+from model_bridge.lifeline import guard_group, release
 from model_bridge.spawn import free_port
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -73,6 +74,9 @@ class ServerSpec:
     """vLLM's --limit-mm-per-prompt for audio (images and video are off)."""
     cpu_kvcache_gib: int = 1
     """VLLM_CPU_KVCACHE_SPACE on CPU machines."""
+    max_audio_seconds: float | None = None
+    """Longest clip the server must decode; None: vLLM's limits, clip size raised to 10 minutes
+    (`audio_limits_env`)."""
     api_key: str | None = field(default=None, repr=False)
     """Bearer token required on every route but /health (see the module doc)."""
     worker_extension: str | None = DEFAULT_WORKER_EXTENSION
@@ -190,6 +194,21 @@ class RequireApiKey:
         await send({"type": "http.response.body", "body": body})
 
 
+def audio_limits_env(max_audio_seconds: float | None) -> dict[str, str]:
+    """vLLM's audio limits for clips up to `max_audio_seconds` (None: 10 minutes). Clips travel as
+    lossless float32 WAV at 16 kHz, 64,000 bytes per second, so vLLM's 25 MB clip-size cap would
+    refuse anything over ~6.8 min; its decode limits (600 s, 256 MiB of PCM) stop at 10 minutes."""
+    import math
+
+    s = float(max_audio_seconds or 600.0)
+    wav_mb = math.ceil(s * 64_000 / 2**20) + 1
+    env = {"VLLM_MAX_AUDIO_CLIP_FILESIZE_MB": str(max(64, wav_mb))}
+    if s > 600:
+        env["VLLM_MAX_AUDIO_DECODE_DURATION_S"] = str(math.ceil(s) + 1)
+        env["VLLM_MAX_AUDIO_DECODE_BYTES"] = str(max(268_435_456, (math.ceil(s) + 1) * 48_000 * 4))
+    return env
+
+
 def start_banner(cmd: list[str]) -> str:
     """The line written to the server log before each start (a resumed run appends to the same log)."""
     import datetime
@@ -209,6 +228,7 @@ class VLLMServer:
         self.spec = spec
         self.log_path = Path(log_path)
         self.proc: subprocess.Popen | None = None
+        self._watcher: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
@@ -225,9 +245,8 @@ class VLLMServer:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(self.spec.cpu_kvcache_gib))
         if self.spec.api_key:
             env["VLLM_API_KEY"] = self.spec.api_key
-        # clips travel as lossless float32 WAV (64 KB per second): vLLM's default 25 MB cap would
-        # refuse recordings longer than ~6.8 min; 64 MB covers the 10-minute data limit with room
-        env.setdefault("VLLM_MAX_AUDIO_CLIP_FILESIZE_MB", "64")
+        for k, v in audio_limits_env(self.spec.max_audio_seconds).items():
+            env.setdefault(k, v)
         return env
 
     def log_tail(self, n: int = 40) -> str:
@@ -245,6 +264,9 @@ class VLLMServer:
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=self._env(), start_new_session=True)
         log.close()
+        # its own session keeps Ctrl-C to the trainer's terminal away from it; the watcher ends the
+        # group (the API process and its engine core) if this process dies without calling stop()
+        self._watcher = guard_group(self.proc.pid)
         try:
             return self._wait_healthy(timeout, progress)
         except BaseException:  # SIGTERM/Ctrl-C/an error while waiting: never leave the server behind
@@ -283,7 +305,9 @@ class VLLMServer:
     def stop(self, grace: float = 20.0) -> None:
         """SIGTERM the server's process group, SIGKILL what is left after `grace` seconds."""
         p, self.proc = self.proc, None
+        watcher, self._watcher = self._watcher, None
         if p is None or p.poll() is not None:
+            release(watcher)
             return
         pgid = os.getpgid(p.pid)
         os.killpg(pgid, signal.SIGTERM)
@@ -296,6 +320,7 @@ class VLLMServer:
         except ProcessLookupError:
             pass
         p.wait()
+        release(watcher)
 
     def __enter__(self) -> "VLLMServer":
         return self.start() if self.proc is None else self

@@ -158,11 +158,11 @@ def check_compatible(manifest: dict, hf_dir, directory="") -> None:
 class Recorder:
     """Rank 0: writes each consumed step to ``record_dir`` and keeps the manifest current."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, directory=None):
         from megatron_grpo.configtree import to_dict
         from model_bridge.config import read_omni_config
 
-        self.dir = Path(cfg.rollout.record_dir)
+        self.dir = Path(cfg.rollout.record_dir if directory is None else directory)
         self.dir.mkdir(parents=True, exist_ok=True)
         spec = read_omni_config(cfg.model.hf_dir)
         config = to_dict(cfg)
@@ -177,13 +177,15 @@ class Recorder:
             "steps": sorted(old.get("steps", [])) if same_model else [],
             "max_token_id": old.get("max_token_id", -1) if same_model else -1,
             "config": config, "created": old.get("created", time.time()) if same_model else time.time()}
-        print(f"[train] recording each step's trajectories to {self.dir}", flush=True)
+        if directory is None:
+            print(f"[train] recording each step's trajectories to {self.dir}", flush=True)
 
-    def record(self, step: int, trajs, stats) -> None:
+    def record(self, step: int, trajs, stats, extra: dict | None = None) -> None:
+        """Write step ``step``; ``extra``: more plain entries for its payload (megatron_grpo/run/trajlog.py)."""
         clips, index = [], {}
         records = [trajectory_to_record(t, clips, index) for t in trajs]
         payload = {"format": FORMAT, "step": step, "stats": _plain(dict(stats or {})), "clips": clips,
-                   "trajectories": records}
+                   "trajectories": records, **(extra or {})}
         _atomic(step_path(self.dir, step), lambda p: torch.save(payload, p))
         m = self.manifest
         m["steps"] = sorted(set(m["steps"]) | {step})
@@ -233,13 +235,13 @@ class ReplayFeed:
     def __init__(self, side, data, rank: int):
         self.side, self.data, self.rank = side, data, rank
 
-    def take(self, step: int, broadcast):
+    def take(self, step: int, to_ranks):
         if self.rank == 0:
             trajs, _ = load_step(self.side.dir, step)
             vocab = self.side.manifest["vocab_size"]
             if any(max(t.input_ids_T, default=-1) >= vocab for t in trajs):  # pragma: no cover
                 raise ValueError(f"{step_path(self.side.dir, step)}: a token id >= vocab_size {vocab}")
-        trajs = broadcast(trajs if self.rank == 0 else None)
+        trajs = to_ranks(trajs if self.rank == 0 else None)
         return trajs, {"rollout_source": "replay"}
 
     def prefetch(self, next_step: int) -> None:

@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from megatron_grpo.config import TrainConfig, serve_dtype, train_dtype
+from megatron_grpo.run.failures import RolloutFailed, rollout_failure
 
 
 def local_server_spec(cfg: TrainConfig):
@@ -18,10 +19,14 @@ def local_server_spec(cfg: TrainConfig):
     from megatron_grpo.rollout.server import ServerSpec
 
     s = cfg.serve
+    if s.max_model_len == "auto":  # the pre-flight sizes it (megatron_grpo/run/sizing.py)
+        raise ValueError("serve.max_model_len is auto but was not sized from the data: run through "
+                         "`mgrpo train`, or give it a number of tokens")
     return ServerSpec(model=cfg.model.hf_dir, served_model_name="policy", dtype=serve_dtype(cfg),
                       max_model_len=s.max_model_len, max_num_seqs=s.max_num_seqs,
                       seed=cfg.trainer.seed, max_audio_per_prompt=s.max_audio_per_prompt,
-                      cpu_kvcache_gib=s.cpu_kvcache_gib, return_routed_experts=cfg.rollout.return_routed_experts,
+                      cpu_kvcache_gib=s.cpu_kvcache_gib, max_audio_seconds=s.max_audio_seconds,
+                      return_routed_experts=cfg.rollout.return_routed_experts,
                       extra_args=list(s.extra_args))
 
 
@@ -42,7 +47,8 @@ def open_feed(cfg: TrainConfig, side, data, rank: int):
     if cfg.rollout.record_dir and rank == 0:
         from megatron_grpo.run.replay import Recorder
         recorder = Recorder(cfg)
-    return RolloutFeed(side, data, cfg.rollout.overlap, rank, variant=cfg.loss.variant, recorder=recorder)
+    return RolloutFeed(side, data, cfg.rollout.overlap, rank, variant=cfg.loss.variant, recorder=recorder,
+                       run_dir=cfg.trainer.run_dir)
 
 
 def with_advantages(trajs, variant: str):
@@ -125,8 +131,10 @@ class RolloutFeed:
     position from before the prefetch, so a resume rolls that batch out again with its weights.
     """
 
-    def __init__(self, side, data, overlap: bool, rank: int, variant: str = "grpo", recorder=None):
+    def __init__(self, side, data, overlap: bool, rank: int, variant: str = "grpo", recorder=None,
+                 run_dir: str | Path = "."):
         self.side, self.data, self.overlap, self.rank = side, data, overlap, rank
+        self.run_dir = run_dir
         self.variant, self.recorder = variant, recorder
         self.pool = None
         if overlap and rank == 0:
@@ -140,17 +148,30 @@ class RolloutFeed:
     def group_ids(step: int, n: int) -> list[int]:
         return [step * 10_000 + i for i in range(n)]
 
-    def take(self, step: int, broadcast):
+    def take(self, step: int, to_ranks):
         """(trajectories with advantages, extra metrics for rank 0's log) of `step`; with a recorder,
-        rank 0 saves exactly those trajectories (rollout.record_dir)."""
+        rank 0 saves exactly those trajectories (rollout.record_dir). ``to_ranks`` hands rank 0's
+        list (or a `RolloutFailed`, which every rank raises) to every rank: all of it on rank 0,
+        a rank's own micro-batches' samples elsewhere (`megatron_grpo.run.to_ranks.deliver`)."""
+        future, batch, failed = self.future, None, None
         if self.prefetched_rows is not None:
             rows, self.prefetched_rows, self.state_before_prefetch = self.prefetched_rows, None, None
-            batch = self.future.result() if self.rank == 0 else None
             self.future = None
         else:
             rows = self.data.next_batch()
-            batch = self.side.rollout(rows, self.group_ids(step, len(rows))) if self.rank == 0 else None
-        trajs = with_advantages(broadcast(batch.trajectories if batch is not None else None), self.variant)
+        if self.rank == 0:
+            try:
+                batch = future.result() if future is not None else self.side.rollout(
+                    rows, self.group_ids(step, len(rows)))
+            except Exception as e:  # noqa: BLE001 - every rank stops with one line (run/failures.py)
+                failed = rollout_failure(e, self.run_dir)
+        if self.rank == 0 and failed is None:
+            payload = with_advantages(batch.trajectories, self.variant)
+        else:
+            payload = failed
+        trajs = to_ranks(payload)  # this rank's share of the step (run/to_ranks.py)
+        if isinstance(trajs, RolloutFailed):
+            raise trajs
         if self.recorder is not None:
             self.recorder.record(step, trajs, batch.stats)
         return trajs, {}

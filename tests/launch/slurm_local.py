@@ -53,6 +53,7 @@ from pathlib import Path
 
 import pytest
 
+from model_bridge.lifeline import guard_group, release
 from model_bridge.spawn import free_port
 
 CRED_EXPIRE_S = 5
@@ -138,6 +139,7 @@ class LocalSlurm:
         self.conf = root / "slurm.conf"
         self.logs = root / "log"
         self.procs: dict[str, subprocess.Popen] = {}
+        self.watchers: list[subprocess.Popen] = []
         self.env = dict(os.environ)
         self.env["SLURM_CONF"] = str(self.conf)
         for k in list(self.env):  # never inherit an enclosing allocation's view of the world
@@ -201,6 +203,8 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
                                             stderr=subprocess.STDOUT, env=self.env,
                                             start_new_session=True)
         out.close()
+        # its own group; the watcher ends it if this pytest process dies without calling stop()
+        self.watchers.append(guard_group(self.procs[name].pid))
 
     def start(self, timeout: float = 60.0) -> None:
         r = self.root
@@ -276,6 +280,8 @@ PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
                         p.wait(10)
             if p.poll() is None:
                 problems.append(f"{name} (pid {p.pid}) did not exit")
+        for w in self.watchers:
+            release(w)
         # whatever still carries our SLURM_CONF was started through this cluster: a job's
         # process that outlived scancel, a slurmstepd, slurmctld's slurmscriptd helper
         self.strays = self._pids_with_our_conf()

@@ -111,6 +111,35 @@ def test_recording_must_fit_the_checkpoint(tmp_path, tiny_ckpt):
         "replay on a checkpoint with the recording's thinker token ids")
 
 
+def _check_trainer_logprobs(rec: Path, run: Path, live: list) -> None:
+    """The trainer logprobs kept beside the recording (nproc 2, TP2: gathered to rank 0) are each
+    sample's own: within fp32 noise of vLLM's on every generated token, 0 elsewhere, and they give
+    the step's logged mismatch_kl_k1; logging.trajectories kept step 1's first group with the same
+    values; `mgrpo report` shows them."""
+    for k in (1, 2):
+        trajs, _ = load_step(rec, k)
+        lps = torch.load(rec / f"step_{k:06d}.trainer.pt", weights_only=True)["trainer_logprobs"]
+        assert len(lps) == len(trajs)
+        d_sum, n = 0.0, 0
+        for t, lp in zip(trajs, lps):
+            mask = torch.tensor(t.loss_mask_T, dtype=torch.bool)
+            ro = torch.tensor(t.rollout_logprobs_T, dtype=torch.float32)
+            assert lp.shape == ro.shape and not lp[~mask].any()
+            assert (ro - lp)[mask].abs().max() < 1e-3, (ro - lp)[mask].abs().max()  # fp32 server and trainer
+            d_sum += float((ro - lp)[mask].double().sum())
+            n += int(mask.sum())
+        assert d_sum / n == pytest.approx(live[k - 1]["mismatch_kl_k1"], rel=1e-3, abs=1e-7)
+    light = torch.load(run / "trajectories" / "step_000001.pt", weights_only=True)
+    idx = light["sample_index"]
+    assert len(idx) == 4 and sorted(p.name for p in (run / "trajectories").iterdir()) == [MANIFEST, "step_000001.pt"]
+    full = torch.load(rec / "step_000001.trainer.pt", weights_only=True)["trainer_logprobs"]
+    assert all(torch.equal(a, full[i]) for a, i in zip(light["trainer_logprobs"], idx))
+    r = _mgrpo("report", str(run))
+    assert r.returncode == 0 and "2 step pages (1..2)" in r.stdout, r.stdout + r.stderr
+    page = (run / "report" / "step_000001.html").read_text()
+    assert f'<tr data-key="reward/mean"><th>reward/mean</th><td data-v="{live[0]["reward/mean"]!r}">' in page
+
+
 @pytest.mark.slow
 def test_record_then_replay_without_a_server(tmp_path):
     """Record 2 steps of the embedded job (real vLLM CPU server, nproc 2, TP2, returning routed
@@ -118,13 +147,20 @@ def test_record_then_replay_without_a_server(tmp_path):
     resume, at the recording's layout; then with MoE routing replay of the server's routes (r3)
     and of the trainer's own old-pass routes (r2)."""
     rec = tmp_path / "rec"
+    # long answers (up to 3 turns x 1024 tokens): the random tiny model must score in some of 8
+    # samples for step 1 to have non-zero advantages (24-token turns scored 0 in all 8)
     small = ["trainer.steps=2", "trainer.prompts_per_step=2", "rollout.num_generations=4", *QUIET,
+             "rollout.max_turns=3", "rollout.max_new_tokens=1024",
              "rollout.reward_funcs=[answer_chars,format]", "rollout.reward_weights=[1.0,1.0]",
              "rollout.return_routed_experts=true"]
-    r = _mgrpo("train", *small, f"rollout.record_dir={rec}", f"trainer.run_dir={tmp_path / 'live'}")
+    r = _mgrpo("train", *small, f"rollout.record_dir={rec}", f"trainer.run_dir={tmp_path / 'live'}",
+               "logging.trajectories.every=2", "logging.trajectories.max_samples=4")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     live = _metrics(tmp_path / "live")
-    assert sorted(p.name for p in rec.iterdir()) == [MANIFEST, "step_000001.pt", "step_000002.pt"]
+    assert sorted(p.name for p in rec.iterdir()) == [MANIFEST, "step_000001.pt", "step_000001.trainer.pt",
+                                                     "step_000002.pt", "step_000002.trainer.pt"]
+    _check_trainer_logprobs(rec, tmp_path / "live", live)
+    assert f"trajectories: `mgrpo report {tmp_path / 'live'}` writes them as web pages" in r.stdout
     manifest = read_manifest(rec)
     assert manifest["steps"] == [1, 2] and manifest["audio"]["num_mel_bins"] == 128
     assert manifest["vocab_size"] == 576 and manifest["config"]["parallel"]["tp"] == 2

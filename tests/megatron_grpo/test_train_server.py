@@ -22,6 +22,7 @@ LOGPROB_ATOL = 1e-4  # fp32 on both sides (measured ~5e-6); bfloat16 on the serv
 
 def _cfg(hf_dir, **kw) -> TrainConfig:
     model = ModelConfig(hf_dir=str(hf_dir), dtype=kw.pop("model_dtype", "auto"))
+    kw.setdefault("serve", ServeConfig(max_model_len=4096))  # `mgrpo train` sizes "auto" from the data
     return TrainConfig(model=model, **kw)
 
 
@@ -41,14 +42,14 @@ def test_local_server_runs_in_the_trainers_dtype(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def train_server(tiny_ckpt, tmp_path_factory):
-    """The server exactly as `mgrpo train` starts it for the tiny checkpoint (rollout.server local)."""
-    from megatron_grpo.rollout.server import VLLMServer
+def train_server(vllm_server, tiny_ckpt):
+    """The server exactly as `mgrpo train` starts it for the tiny checkpoint (rollout.server local):
+    the session server is started from that very spec (tests/conftest.py), checked here."""
+    from dataclasses import replace
 
-    spec = local_server_spec(_cfg(tiny_ckpt))
-    server = VLLMServer(spec, tmp_path_factory.mktemp("vllm-train") / "server.log").start(timeout=900)
-    yield server
-    server.stop()
+    spec = replace(local_server_spec(_cfg(tiny_ckpt)), port=vllm_server.spec.port)
+    assert vllm_server.spec == spec and build_command(vllm_server.spec) == build_command(spec)
+    return vllm_server
 
 
 @pytest.mark.slow

@@ -257,8 +257,14 @@ def layout_run(hf_dir: str, data: dict, tp: int, ep: int, pp: int, adam: bool) -
     for m in engine.model:
         m.zero_grad_buffer()
     engine.optimizer.zero_grad()
-    out["metrics"] = forward_backward(engine, mbs, step_config(), force_all_reduce=True)
+    kept = {}  # the trainer logprobs `mgrpo report` shades against vLLM's, gathered to rank 0
+    out["metrics"] = forward_backward(engine, mbs, step_config(), force_all_reduce=True, logprobs_out=kept)
     out["grads"] = hf_tensors(engine.model, spec, "grad")
+    from megatron_grpo.run.trajlog import gather_sample_logprobs
+
+    gathered = gather_sample_logprobs(kept, len(data["trajectories"]))
+    if gathered is not None:
+        out["gathered_logprobs"] = gathered
     out["seconds_fb"] = time.time() - t1
     if pp > 1:  # MIS: the last stage asks for the old-logprob pass, every stage runs it (no hang)
         for m in engine.model:
@@ -381,6 +387,12 @@ def _compare(results, reference, name):
           f"max|dgrad| {diffs[worst]:.2e} at {worst} (max|grad| {gmax:.2e}); old-logprob max|diff| {lp_diff:.2e}; "
           f"micro-batches per rank {[r['microbatches'] for r in results]}; rank seconds "
           f"{[round(r['seconds'], 1) for r in results]}")
+    gathered = [r["gathered_logprobs"] for r in results if "gathered_logprobs" in r]
+    assert len(gathered) == 1 and results[0].get("gathered_logprobs") is gathered[0], name  # rank 0 alone
+    for i, lp in enumerate(gathered[0]):  # every sample's, from whichever DP rank / last stage trained it
+        m = reference["masks"][i]
+        assert lp is not None and not lp[~m].any(), (name, i)
+        assert (lp - reference["logprobs"][i])[m].abs().max().item() <= 1e-5, (name, i)
     assert dloss <= LOSS_TOL, (name, losses, reference["loss"])
     assert diffs[worst] <= GRAD_TOL, (name, worst, diffs[worst])
     assert lp_diff <= 1e-5, (name, lp_diff)

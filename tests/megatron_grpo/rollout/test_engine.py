@@ -381,8 +381,9 @@ def test_server_killed_mid_rollout(vllm_server, tiny_ckpt, tok, audio_dir, tmp_p
     rollout against the dead server alone fails with an error naming it."""
     from megatron_grpo.rollout.server import ServerSpec, VLLMServer
 
-    spec = ServerSpec(model=str(tiny_ckpt), served_model_name="tiny", dtype="float32", max_model_len=2048,
-                      max_num_seqs=2, weight_transfer_backend=None, worker_extension=None)
+    spec = ServerSpec(model=str(tiny_ckpt), served_model_name=vllm_server.spec.served_model_name,
+                      dtype="float32", max_model_len=2048, max_num_seqs=2, weight_transfer_backend=None,
+                      worker_extension=None)
     doomed = VLLMServer(spec, tmp_path / "doomed.log").start(timeout=900)
     try:
         reg = builtin_registry()

@@ -58,14 +58,30 @@ def test_select_rows_is_index_select_bit_for_bit_gpu():
     assert [ok for _, ok, _ in res] == [True] * 4, res
 
 
-def _counting_vs_argsort(device: str) -> dict:
+CASES = ((1, 4, 1), (37, 8, 3), (700, 128, 8), (33, 16, 16), (2500, 16, 2))
+"""(T, E, k) at the kernels' own block sizes; the last has T > a scan block (1024 tokens)."""
+INTERPRETED_BLOCKS = (64, 128)
+"""(scan block, sort-plan block) under Triton's interpreter, which runs every program in Python:
+small blocks give the same code paths - a scan over several blocks with a carry, several
+sort-plan programs with a masked tail - at a tenth of the tokens (the row gather and combine
+kernels on the plan are what cost: 2500 tokens took ~100 s)."""
+INTERPRETED_CASES = ((1, 4, 1), (37, 8, 3), (40, 128, 8), (33, 16, 16), (300, 16, 2))
+"""The last has T = 300 > 64 (5 scan blocks with a carry) and 600 pairs > 128 (5 sort programs,
+the last masked); (40, 128, 8) is the model's 128 experts top-8 (3 sort programs)."""
+
+
+def _counting_vs_argsort(device: str, cases=CASES, blocks=None) -> dict:
     """``sort_by_expert`` with the routing map (the counting sort) against the argsort path on the
-    same routing: rows, probabilities, plan, combine and gradients, bit for bit, per (T, E, k)."""
+    same routing: rows, probabilities, plan, combine and gradients, bit for bit, per (T, E, k).
+    ``blocks``: (scan block, sort-plan block) in place of the module's (in a child process only)."""
+    from model_bridge.modeling import permute
     from model_bridge.modeling.permute import sort_by_expert, unsort_combine
 
+    if blocks is not None:
+        permute._SCAN_BLOCK_T, permute._SORT_PLAN_BLOCK = blocks
     g = torch.Generator().manual_seed(7)
     out = {}
-    for T, E, k in ((1, 4, 1), (37, 8, 3), (700, 128, 8), (33, 16, 16), (2500, 16, 2)):  # T > a scan block
+    for T, E, k in cases:
         chosen_TK = torch.rand(T, E, generator=g).topk(k, dim=1).indices.sort(dim=1).values
         rmap_TE = torch.zeros(T, E, dtype=torch.bool).scatter_(1, chosen_TK, True)
         probs_TE = torch.rand(T, E, generator=g) * rmap_TE
@@ -92,7 +108,12 @@ def _counting_vs_argsort(device: str) -> dict:
 def test_counting_sort_equals_argsort_interpreted():
     from model_bridge.modeling.permute import _triton_sort_plan_kernel
 
-    res = run_interpreted(_triton_sort_plan_kernel, _counting_vs_argsort, "cpu")
+    scan_block, plan_block = INTERPRETED_BLOCKS
+    T, E, k = INTERPRETED_CASES[-1]
+    assert T > scan_block and T * k > plan_block and (T * k) % plan_block  # the paths named above
+    res = run_interpreted(_triton_sort_plan_kernel, _counting_vs_argsort, "cpu", INTERPRETED_CASES,
+                          INTERPRETED_BLOCKS)
+    assert list(res) == [f"{T}x{E}x{k}" for T, E, k in INTERPRETED_CASES]
     assert all(all(v) for v in res.values()), res
 
 

@@ -1,0 +1,229 @@
+"""Nothing outlives the run: the trainer's ranks and the vLLM server die with the process that
+started them, also on `kill -9`; a rollout failure ends every rank with one line."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CACHE = Path(os.environ.get("MGRPO_TEST_CACHE", REPO / ".cache" / "tests"))  # as tests/conftest.py
+DEAD_WITHIN_S = 10.0
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (orphans are reparented; the container's init may reap them late)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _wait_all_dead(pids, timeout=DEAD_WITHIN_S) -> list[int]:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and any(_running(p) for p in pids):
+        time.sleep(0.2)
+    return [p for p in pids if _running(p)]
+
+
+def _wait_for(ok, timeout, what, proc=None, log=None):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if ok():
+            return
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"{what}: the process exited ({proc.returncode}) first:\n"
+                                 + (log.read_text()[-3000:] if log and log.exists() else ""))
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def _kill_tree_now(proc):
+    """Test hygiene if an assertion fails: SIGKILL what is left of `proc`'s tree."""
+    try:
+        kids = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        kids = []
+    for p in [proc, *kids]:
+        try:
+            os.kill(p.pid, signal.SIGKILL)
+        except (ProcessLookupError, psutil.NoSuchProcess):
+            pass
+    proc.wait()
+
+
+PARENT = textwrap.dedent("""
+    import subprocess, sys, time
+    from model_bridge.lifeline import child_env, guard_group
+    group = subprocess.Popen(["bash", "-c", "sleep 600 & sleep 600"], start_new_session=True)
+    guard_group(group.pid, grace_s=1.0)
+    child = subprocess.Popen([sys.executable, "-c",
+        "from model_bridge.lifeline import die_with_parent; import time; die_with_parent(); time.sleep(600)"],
+        env=child_env())
+    time.sleep(1.5)  # the child has called die_with_parent
+    print(group.pid, child.pid, flush=True)
+    time.sleep(600)
+""")
+
+
+def test_children_and_process_groups_die_with_a_sigkilled_parent():
+    """`die_with_parent` (PDEATHSIG) and `guard_group` (a watcher that ends the whole group, the
+    grandchildren too) on a parent killed with SIGKILL."""
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONPATH=str(REPO)), start_new_session=True)
+    try:
+        group_pid, child_pid = map(int, parent.stdout.readline().split())
+        pids = [group_pid, child_pid] + [c.pid for c in psutil.Process(group_pid).children()]
+        assert len(pids) == 4 and all(_running(p) for p in pids)
+        os.kill(parent.pid, signal.SIGKILL)
+        parent.wait()
+        assert _wait_all_dead(pids) == []
+    finally:
+        _kill_tree_now(parent)
+
+
+def test_a_rollout_failure_is_one_line_on_every_rank_with_the_trace_in_the_run_dir(tmp_path):
+    from megatron_grpo.rollout.client import RolloutServerError
+    from megatron_grpo.run.failures import ERROR_LOG, RolloutFailed
+    from megatron_grpo.run.rollout_side import RolloutFeed
+
+    class Rows:
+        def next_batch(self):
+            return ["row"]
+
+    class FailingSide:
+        def rollout(self, rows, group_ids):
+            raise RolloutServerError("prompt 0 has 15985 tokens, no room to generate within 4096 "
+                                     "(rollout.max_total_tokens / the server's max_model_len)", retryable=False)
+
+    sent = []
+
+    def broadcast(obj):  # rank 0 sends the failure in place of the trajectories
+        sent.append(obj)
+        return obj
+
+    feed = RolloutFeed(FailingSide(), Rows(), overlap=False, rank=0, run_dir=tmp_path)
+    with pytest.raises(RolloutFailed) as e:
+        feed.take(1, broadcast)
+    line = (f"RolloutServerError: prompt 0 has 15985 tokens, no room to generate within 4096 "
+            f"(rollout.max_total_tokens / the server's max_model_len) (full trace in {tmp_path / ERROR_LOG})")
+    assert str(e.value) == line and "\n" not in line
+    assert isinstance(sent[0], RolloutFailed) and str(sent[0]) == line
+    trace = (tmp_path / ERROR_LOG).read_text()
+    assert trace.startswith("Traceback") and "in rollout" in trace and "15985 tokens" in trace
+    # another rank receives the same failure through the broadcast and raises it
+    feed1 = RolloutFeed(None, Rows(), overlap=False, rank=1, run_dir=tmp_path)
+    with pytest.raises(RolloutFailed, match="^RolloutServerError: prompt 0 has 15985"):
+        feed1.take(1, lambda obj: sent[0])
+
+
+@pytest.mark.slow
+def test_kill_9_of_mgrpo_train_leaves_no_rank_and_no_vllm_process(tmp_path):
+    """The embedded tiny job (2 ranks, a local vLLM server), killed with SIGKILL after its first step."""
+    run = tmp_path / "run"
+    log = tmp_path / "train.log"
+    env = dict(os.environ, MGRPO_CACHE=str(CACHE / "embedded"), HF_HUB_OFFLINE="1")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "launch.cli", "train", "trainer.steps=50",
+                                 "checkpoint.every=0", "checkpoint.at_end=false", "logging.progress=false",
+                                 f"trainer.run_dir={run}"], cwd=REPO, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        metrics = run / "metrics.jsonl"
+        _wait_for(lambda: metrics.exists() and metrics.read_text().strip(), 900, "step 1", proc, log)
+        tree = psutil.Process(proc.pid).children(recursive=True)
+        ranks = [p.pid for p in tree if "spawn_main" in " ".join(p.cmdline())]  # model_bridge.spawn's ranks
+        vllm = [p.pid for p in tree if "vllm" in " ".join(p.cmdline()) or p.name().startswith("VLLM")]
+        assert len(ranks) == 2 and vllm, [p.cmdline() for p in tree]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        left = _wait_all_dead([p.pid for p in tree])
+        assert left == [], [(p, psutil.Process(p).cmdline()) for p in left]
+    finally:
+        _kill_tree_now(proc)
+
+
+HOLD_SERVER = '''
+import os, time
+def test_hold(vllm_server):
+    with open(os.environ["MGRPO_HOLD_PIDS"] + ".tmp", "w") as f:
+        f.write(str(vllm_server.proc.pid))
+    os.replace(os.environ["MGRPO_HOLD_PIDS"] + ".tmp", os.environ["MGRPO_HOLD_PIDS"])
+    time.sleep(600)
+'''
+
+
+@pytest.mark.slow
+def test_kill_9_of_a_pytest_run_stops_its_vllm_server_fixture(tmp_path):
+    """A pytest run holding the session `vllm_server` fixture, killed with SIGKILL."""
+    inner = REPO / "tests" / f"_hold_vllm_server_{os.getpid()}.py"  # under tests/: tests/conftest.py applies
+    inner.write_text(HOLD_SERVER)
+    pids_file = tmp_path / "server.pid"
+    log = tmp_path / "pytest.log"
+    try:
+        with open(log, "wb") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(inner)],
+                                    cwd=REPO, env=dict(os.environ, MGRPO_HOLD_PIDS=str(pids_file)),
+                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            _wait_for(pids_file.exists, 900, "the vllm_server fixture", proc, log)
+            server = int(pids_file.read_text())
+            group = [p.pid for p in psutil.process_iter() if _pgid(p.pid) == server]
+            assert server in group and len(group) >= 2, group  # the API process and its engine core
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            assert _wait_all_dead(group) == []
+        finally:
+            _kill_tree_now(proc)
+    finally:
+        inner.unlink()
+
+
+def _pgid(pid):
+    try:
+        return os.getpgid(pid)
+    except ProcessLookupError:
+        return None
+
+
+@pytest.mark.slow
+def test_a_failed_rollout_ends_both_ranks_with_one_line(tmp_path):
+    """`mgrpo train` (2 ranks) against a rollout server that is up (/health) but answers every other
+    request with an error: exit 1, one `rollout error` line from rank 0 and no traceback from any
+    rank on the terminal; the trace is in the run dir's error.log."""
+    import http.server
+    import threading
+
+    class Broken(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 500)
+            self.end_headers()
+            self.wfile.write(b"" if self.path == "/health" else b"engine is dead")
+
+        do_POST = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Broken)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    run = tmp_path / "run"
+    try:
+        env = dict(os.environ, MGRPO_CACHE=str(CACHE / "embedded"), HF_HUB_OFFLINE="1")
+        r = subprocess.run([sys.executable, "-m", "launch.cli", "train", "rollout.server=remote",
+                            f"rollout.server_urls=[{url}]", "logging.progress=false", f"trainer.run_dir={run}"],
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    finally:
+        server.shutdown()
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    err = [line for line in r.stderr.splitlines() if "rollout error" in line or "Traceback" in line]
+    assert err == [f"mgrpo train: rollout error: RolloutServerError: rollout server {url}: GET /v1/models answered "
+                   f"500: engine is dead (full trace in {run / 'error.log'})"], r.stderr[-3000:]
+    assert "Traceback" not in r.stdout
+    assert "RolloutServerError" in (run / "error.log").read_text()
