@@ -86,6 +86,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--max-audio-per-prompt", type=int, default=4, help="audio clips per request")
     s.add_argument("--weight-transfer", choices=["auto", "gloo", "nccl", "none"], default="auto",
                    help="weight-sync backend (auto: gloo without CUDA, nccl with it)")
+    s.add_argument("--return-routed-experts", action="store_true",
+                   help="return the experts every token was routed to (R3, for rollout.routing_replay=r3): "
+                        "vLLM's --enable-return-routed-experts, captured by our worker extension on CPU")
     s.add_argument("--log", default=None, help="server log file (default: a new file in the temp dir)")
     s.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds to wait for /health")
     s.add_argument("--url-file", default=None,
@@ -159,7 +162,7 @@ def run_serve(args: argparse.Namespace) -> int:
                       tensor_parallel_size=args.tp, data_parallel_size=args.dp, api_key=api_key,
                       weight_transfer_backend=(None if args.weight_transfer == "none"
                                                else args.weight_transfer),
-                      extra_args=extra)
+                      return_routed_experts=args.return_routed_experts, extra_args=extra)
     log = Path(args.log) if args.log else Path(tempfile.gettempdir()) / f"mgrpo-serve-{spec.port}.log"
     server = VLLMServer(spec, log)
     url_file = Path(args.url_file) if args.url_file else None

@@ -232,7 +232,8 @@ def build_run(cfg: TrainConfig, resume: bool = False) -> Run:
         step_cfg = StepConfig(loss=cfg.loss, importance=cfg.importance,
                               max_consecutive_skips=cfg.trainer.max_consecutive_skips,
                               logprob_chunk_size=cfg.trainer.logprob_chunk_size,
-                              fused_lm_head=cfg.trainer.fused_lm_head)
+                              fused_lm_head=cfg.trainer.fused_lm_head,
+                              routing_replay=cfg.rollout.routing_replay or None)
         logger = None
         if rank == 0:
             logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, plot=cfg.logging.plot)
@@ -297,7 +298,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
                     t0 = time.monotonic()
                     plan = plan_step([t.num_tokens for t in trajs], run.dp_size, run.packing)  # 4. pack
                     mbs = build_train_microbatches(trajs, plan, run.dp_rank, run.packing, featurize=run.featurize,
-                                                   n_window=engine.spec.audio.n_window)
+                                                   n_window=engine.spec.audio.n_window,
+                                                   routes=cfg.rollout.routing_replay == "r3")
                     check_schedule(StepSchedule.from_microbatches(step, mbs))
                     lps = {} if run.kept.wants(step) else None
                     with wd.collective("train_step"):                       # 5. train step

@@ -61,12 +61,15 @@ def session_server_spec(ckpt: Path):
     """The session server's spec: exactly the server `mgrpo train` starts for `ckpt` with the
     embedded default's settings (rollout.server local: fp32 on CPU, our worker extension, the gloo
     weight-transfer backend), so tests of that server and `mgrpo train ... rollout.server=remote`
-    runs share it instead of starting their own."""
+    runs share it instead of starting their own. It returns routed experts (R3), as `mgrpo train`
+    starts it for rollout.return_routed_experts."""
     from megatron_grpo.config import ModelConfig, ServeConfig, TrainConfig
+    from megatron_grpo.rollout.config import RolloutConfig
     from megatron_grpo.run.rollout_source import local_server_spec
 
     # serve.max_model_len "auto" is sized from a run's data; 4096 holds every test's conversations
-    return local_server_spec(TrainConfig(model=ModelConfig(hf_dir=str(ckpt)), serve=ServeConfig(max_model_len=4096)))
+    return local_server_spec(TrainConfig(model=ModelConfig(hf_dir=str(ckpt)), serve=ServeConfig(max_model_len=4096),
+                                         rollout=RolloutConfig(return_routed_experts=True)))
 
 
 _SESSION_SERVER: dict = {}
@@ -122,6 +125,8 @@ def vllm_server(tiny_ckpt):
     checkpoint's weights back when done (`restore_checkpoint_weights`). Start-up takes about a
     minute on 2 cores and begins in the background when collection ends; the server is stopped
     (by process group) when the test run ends.
+    It returns routed experts (R3: rollout.return_routed_experts, vLLM's flag; on CPU our worker
+    extension captures them), which runs that do not ask for them ignore.
     """
     if "thread" not in _SESSION_SERVER:  # collected in a way our hook did not see
         _start_session_server(Path(tempfile.mkdtemp(prefix="mgrpo-vllm-")) / "server.log")

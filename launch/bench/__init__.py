@@ -8,7 +8,9 @@ full-width Qwen3-Omni-layout checkpoint, :mod:`launch.bench.convert`), ``layers`
 thinker layers fwd+bwd: ours vs HF transformers vs megatron's local spec, with the kernel ceiling,
 :mod:`launch.bench.layers`), ``packing`` (padding fraction and DP balance of our packer vs padded
 batches on the layers bench's length distribution, CPU, :mod:`launch.bench.packing`), ``report`` (`mgrpo
-report` on one 512-sample step: page build and Chromium load time, CPU, :mod:`launch.bench.report`), ``sync`` (weight
+report` on one 512-sample step: page build and Chromium load time, CPU, :mod:`launch.bench.report`), ``routes``
+(vLLM time per generated token with and without routed-expert capture for R3,
+:mod:`launch.bench.routes`), ``sync`` (weight
 sync of the 48-layer thinker, ``export_hf`` -> buckets -> broadcast -> unpack between two GPUs, against
 raw NCCL bandwidth; gloo on CPU, :mod:`launch.bench.sync`), ``to_ranks`` (bytes and host memory each
 trainer rank receives per step: broadcast vs its own micro-batches, gloo on CPU,
@@ -24,8 +26,8 @@ import importlib
 __all__ = ["add_bench_parser", "KINDS"]
 
 KINDS = {"convert": "launch.bench.convert", "layers": "launch.bench.layers", "packing": "launch.bench.packing",
-         "report": "launch.bench.report", "sync": "launch.bench.sync", "to_ranks": "launch.bench.to_ranks",
-         "train": "launch.bench.train"}
+         "report": "launch.bench.report", "routes": "launch.bench.routes", "sync": "launch.bench.sync",
+         "to_ranks": "launch.bench.to_ranks", "train": "launch.bench.train"}
 """bench kind -> module with ``add_parser(subparsers)`` (argparse only; heavy imports when it runs)."""
 
 

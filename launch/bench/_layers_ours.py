@@ -20,13 +20,15 @@ OUR_SYSTEMS = {
     "ours_mb_sepqkn": ("torch", True, "none", False, False),
     "ours_graph": ("torch", False, "none", True, True),
     "ours_mb_graph": ("torch", True, "none", True, True),
+    "ours_replay": ("torch", False, "none", True, False),
     "mcore_local": ("local", False, "none", False, False),
 }
 """Megatron systems of the bench: name -> (layer-spec backend, micro-batches of ``--mb-tokens``
 (else the whole batch in one), ``build_thinker``'s ``recompute``, q/k RMSNorm fused into the RoPE
 kernel (the default; ``MGRPO_TRITON_QK_NORM_ROPE`` is set to 1 or 0 while the system runs,
 modeling/rope.py), the whole step captured once as a CUDA graph and replayed (CUDA only;
-:func:`run_ours`'s ``graph``))."""
+:func:`run_ours`'s ``graph``)). ``ours_replay`` is ``ours`` with routing replay
+(``--routing-replay``): every step replays the routes its first step chose (:func:`run_ours`'s ``replay``)."""
 
 
 @contextlib.contextmanager
@@ -142,7 +144,7 @@ def probe_losses(model, spec, ids: list, probe, norm_w, device) -> dict:
 
 def run_ours(model, spec, ids: list, probe, norm_w, device, warmup: int, iters: int, profile_path=None,
              capture_counts: bool = False, groups: list[list[int]] | None = None, barrier=None,
-             keep_step: bool = False, diagnose: bool = False, graph: bool = False) -> dict:
+             keep_step: bool = False, diagnose: bool = False, graph: bool = False, replay: bool = False) -> dict:
     """fwd+bwd of the packed batch (``groups``: micro-batches of sample indices, grads accumulated).
 
     Every rank of an EP run must call this with the same arguments apart from the data (same
@@ -152,7 +154,12 @@ def run_ours(model, spec, ids: list, probe, norm_w, device, warmup: int, iters: 
     ``diagnose`` (CUDA, one rank): also ``step_s_gpu_bound`` and ``step_s_after_idle``
     (:func:`~launch.bench._layers_timing.step_diagnostics`). ``graph`` (CUDA, inside
     :func:`graph_stream`): the timed step is the replay of one CUDA graph of the whole step
-    (:func:`_graph_step`, whose checks against the eager step go into the result)."""
+    (:func:`_graph_step`, whose checks against the eager step go into the result). ``replay``: the
+    first step records every micro-batch's routes, the others replay them
+    (``model_bridge.modeling.route_replay``); the result's ``replay_exact`` says whether the routers
+    routed exactly the recorded experts in a replayed step."""
+    import contextlib
+
     import torch
 
     mbs = _micro_batches(spec, ids, probe, device, groups)
@@ -176,12 +183,26 @@ def run_ours(model, spec, ids: list, probe, norm_w, device, warmup: int, iters: 
 
         psps = [thd_params(mb[2][0], device, max(mb[1])) for mb in mbs]
 
+    routes = [] if replay else None  # per micro-batch: a recording RouteReplay (first step), then its routes
+
+    def replay_ctx(k: int):
+        if routes is None:
+            return contextlib.nullcontext()
+        from model_bridge.modeling.route_replay import RouteReplay, replay_scope
+
+        if len(routes) <= k:
+            routes.append(RouteReplay(record=True, num_tokens=sum(mbs[k][1]), num_layers=spec.text.num_layers,
+                                      topk=spec.text.topk))
+            return replay_scope(routes[k])
+        return replay_scope(RouteReplay(routes[k].recorded()))
+
     def body(outs=None, trace=None):
         # fwd+bwd of every micro-batch, gradients accumulated; ``outs``: sample index -> its rows
         for k, (mb, pr) in enumerate(zip(mbs, probes_lo)):
             grp, lens = mb[0], mb[1]
             a = _alloc_gib(device) if trace is not None else None
-            out = _forward_mb(model, mb, norm_w, None if psps is None else psps[k])
+            with replay_ctx(k):
+                out = _forward_mb(model, mb, norm_w, None if psps is None else psps[k])
             loss = bench_loss(out, pr)
             _backward(loss, device, trace, sum(lens), a)
             if outs is not None:
@@ -203,6 +224,8 @@ def run_ours(model, spec, ids: list, probe, norm_w, device, warmup: int, iters: 
     for h in hooks:
         h.remove()
     checks = {}
+    if replay:
+        checks["replay_exact"] = _replay_exact(model, step, routes)
     if graph:
         step, checks = _graph_step(body, first, [*model.parameters(), norm_w], len(ids))
     if barrier is not None:
@@ -222,6 +245,27 @@ def run_ours(model, spec, ids: list, probe, norm_w, device, warmup: int, iters: 
     if keep_step:
         res["step"] = step
     return res
+
+
+def _replay_exact(model, step, routes) -> bool:
+    """One replayed step with router hooks: every router sent every token to its recorded experts."""
+    import torch
+
+    maps = []
+    hooks = [m.register_forward_hook(lambda mod, _i, out: maps.append((mod.layer_number - 1, out[1].detach())))
+             for n, m in model.named_modules() if n.endswith("mlp.router")]
+    try:
+        step()
+    finally:
+        for h in hooks:
+            h.remove()
+    n_layers = len(hooks)
+    ok = len(maps) == n_layers * len(routes)
+    for j, (layer, map_TE) in enumerate(maps):
+        want = routes[j // n_layers].recorded()[:, layer].long().sort(1).values
+        got = map_TE.nonzero()[:, 1].view(map_TE.shape[0], -1)
+        ok = ok and bool(torch.equal(got, want))
+    return ok
 
 
 def _grads(params) -> list:

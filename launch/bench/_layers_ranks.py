@@ -162,7 +162,7 @@ def _rank_run(out: Path, layers, tokens, ep, tiny, systems, warmup, iters, seed,
             r = run_ours(model, spec, ids, probe, norm_w, device, warmup if backend == "torch" else 1, n_it,
                          profile_path=profile, capture_counts=(name == "ours"), groups=pack_by_budget(lengths, budget),
                          barrier=dist.barrier if ep > 1 else None, keep_step=(name == "ours"),
-                         diagnose=(ep == 1 and backend == "torch"), graph=graph)
+                         diagnose=(ep == 1 and backend == "torch"), graph=graph, replay=(name == "ours_replay"))
         paired = r.pop("step", None)
         if name == "ours" and ceiling and dist.get_world_size() == 1 and device.type == "cuda":
             # right after ours (its step takes turns with the ceiling step: the same GPU state)
@@ -184,7 +184,8 @@ def _rank_run(out: Path, layers, tokens, ep, tiny, systems, warmup, iters, seed,
         for key in ("step_s_gpu_bound", "step_s_after_idle"):  # where the step's time goes (step_diagnostics)
             if r.get(key):
                 extra[f"{key}_median"] = statistics.median(r[key])
-        for key in ("graph_output_equals_eager", "graph_grad_rel_diff_vs_eager", "eager_grad_rel_diff_run_to_run"):
+        for key in ("graph_output_equals_eager", "graph_grad_rel_diff_vs_eager", "eager_grad_rel_diff_run_to_run",
+                    "replay_exact"):
             if key in r:  # the graph's replay checked against the eager step (_layers_ours._graph_step)
                 extra[key] = r[key]
         if hf_out is not None:

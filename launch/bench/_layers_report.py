@@ -31,6 +31,8 @@ def _ratios(res: dict) -> dict:
                     r[f"{name}_{tag}_vs_kernel_ceiling"] = kc["total_s"] / s[name][key]
             if name == "ours" and "paired_step_s_median" in kc:  # the stricter ceiling, same rounds
                 r["ours_vs_kernel_ceiling_back_to_back"] = kc["back_to_back_s_median"] / kc["paired_step_s_median"]
+    if "ours_replay" in s and "ours" in s:  # routing replay side by side with the same step unreplayed
+        r["ours_replay_vs_ours_step_s"] = s["ours_replay"]["step_s_median"] / s["ours"]["step_s_median"]
     r["targets"] = {
         "vs_hf_bs1>=1.8": r["ours_vs_hf_bs1_tok_s"] >= TARGET_VS_HF_BS1 if "ours_vs_hf_bs1_tok_s" in r else None,
         "vs_ceiling>=0.85": r["ours_vs_kernel_ceiling"] >= TARGET_VS_CEILING if "ours_vs_kernel_ceiling" in r else None,
@@ -50,7 +52,7 @@ def _plot(res: dict, path: Path) -> None:
         return
     s = res["systems"]
     order = ("ours", "ours_graph", "ours_rc", "ours_sepqkn", "ours_mb", "ours_mb_graph", "ours_mb_rc", "ours_mb_sepqkn",
-             "ours_full_rc", "hf_bs1", "hf_bs4", "mcore_local")
+             "ours_full_rc", "ours_replay", "hf_bs1", "hf_bs4", "mcore_local")
     names = [n for n in order if n in s] + [n for n in s if n not in order]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     axes[0].bar(names, [s[n]["tok_per_s"] / 1e3 for n in names], color="tab:blue")

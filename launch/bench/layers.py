@@ -179,6 +179,8 @@ def run_bench(out_dir, layers: int = 2, tokens: int | None = None, ep: int = 1, 
 
 def _cmd(args: argparse.Namespace) -> int:
     systems = [x for x in args.systems.split(",") if x]
+    if args.routing_replay:
+        systems += [x for x in ("ours", "ours_replay") if x not in systems]
     from launch.bench._layers_ours import OUR_SYSTEMS
     known = list(dict.fromkeys([*OUR_SYSTEMS, "hf_bs1", "hf_bs4", "mcore_local"]))
     unknown = [x for x in systems if x not in known]
@@ -210,6 +212,9 @@ def add_parser(bsub) -> argparse.ArgumentParser:
     s.add_argument("--mb-tokens", type=int, default=4096,
                    help="token budget of the micro-batches of ours_mb (same batch, packed into several "
                         "micro-batches with gradient accumulation: memory vs throughput)")
+    s.add_argument("--routing-replay", action="store_true",
+                   help="also run ours_replay: ours with MoE routing replay of the routes its first step chose "
+                        "(ratio ours_replay_vs_ours_step_s; replay_exact checks the routes were used)")
     s.add_argument("--warmup", type=int, default=2, help="untimed steps per system")
     s.add_argument("--iters", type=int, default=6, help="timed steps per system (median reported)")
     s.add_argument("--seed", type=int, default=0, help="seed of the weights, token ids and sample order (default 0)")

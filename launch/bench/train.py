@@ -63,7 +63,7 @@ def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16
     from megatron_grpo.data.device_features import trainer_featurizer
     from megatron_grpo.engine.setup import build_engine
     from megatron_grpo.engine.step import StepConfig
-    from megatron_grpo.packing import PackingConfig
+    from megatron_grpo.packing import PackLimits
     from model_bridge.config import ParallelLayout
     from model_bridge.parallel import destroy_parallel, init_parallel
 
@@ -102,7 +102,7 @@ def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16
         featurize = trainer_featurizer(AutoFeatureExtractor.from_pretrained(ckpt), not host_features)
         trajs = synth_trajectories(samples, engine.spec, max_tokens=mb_tokens, seed=seed,
                                    ranges=TINY_RANGES if tiny else None, n_window=engine.spec.audio.n_window)
-        bench = TrainBench(engine, trajs, PackingConfig(max_tokens_per_microbatch=mb_tokens, allow_oversized=True),
+        bench = TrainBench(engine, trajs, PackLimits(max_tokens_per_microbatch=mb_tokens, allow_oversized=True),
                            StepConfig(max_consecutive_skips=10**6), featurize, dev)  # report, never stop
         say(f"{samples} samples, {bench.real_tokens} tokens ({bench.total_tokens} with padding) in "
             f"{len(bench.host_mbs)} micro-batches, {bench.num_clips} clips; {warmup} + {iters} rounds of "

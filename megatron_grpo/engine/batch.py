@@ -57,6 +57,9 @@ class TrainMicroBatch:
     None means on-policy: the step uses its own logprobs, detached."""
     ref_logprobs_T: Optional[torch.Tensor] = None
     """float32 [T]; reference-policy logprobs for the KL term; None without KL."""
+    routed_experts_TLK: Optional[torch.Tensor] = None
+    """int [T, layers, top_k]; the experts to replay per token and MoE layer (``engine.routes``; -1
+    where a token has none); None routes as the router chooses."""
 
     def __post_init__(self):
         T = self.mb.num_tokens
@@ -64,6 +67,9 @@ class TrainMicroBatch:
             x = getattr(self, name)
             if x is not None and tuple(x.shape) != (T,):
                 raise ValueError(f"{name} must be [{T}] like the micro-batch's tokens, got {tuple(x.shape)}")
+        r = self.routed_experts_TLK
+        if r is not None and (r.dim() != 3 or r.shape[0] != T or r.is_floating_point()):
+            raise ValueError(f"routed_experts_TLK must be an int [{T}, layers, top_k], got {r.dtype} {tuple(r.shape)}")
         if (self.audio_features is None) != (self.audio_feature_lens is None):
             raise ValueError("audio_features and audio_feature_lens go together (both or neither)")
         if self.audio_features is not None:
@@ -153,7 +159,8 @@ class TrainMicroBatch:
         return replace(self, mb=self.mb.to(device, non_blocking=non_blocking),
                        rollout_logprobs_T=mv(self.rollout_logprobs_T), advantages_T=mv(self.advantages_T),
                        audio_features=mv(self.audio_features), audio_feature_lens=mv(self.audio_feature_lens),
-                       old_logprobs_T=mv(self.old_logprobs_T), ref_logprobs_T=mv(self.ref_logprobs_T))
+                       old_logprobs_T=mv(self.old_logprobs_T), ref_logprobs_T=mv(self.ref_logprobs_T),
+                       routed_experts_TLK=mv(self.routed_experts_TLK))
 
 
 # --------------------------------------------------------------------------------------------
@@ -207,8 +214,8 @@ def _sample_audio(i: int, traj, featurize: Optional[Featurizer], n_window: int, 
 def build_train_microbatches(trajectories: Sequence, plan: PackPlan, dp_rank: int, config: PackLimits, *,
                              advantages_N: Optional[torch.Tensor] = None, featurize: Optional[Featurizer] = None,
                              feature_extractor=None, n_window: int = 50,
-                             ref_logprobs_by_sample: Optional[Sequence[torch.Tensor]] = None
-                             ) -> list[TrainMicroBatch]:
+                             ref_logprobs_by_sample: Optional[Sequence[torch.Tensor]] = None,
+                             routes: bool = False) -> list[TrainMicroBatch]:
     """The :class:`TrainMicroBatch` list of DP rank ``dp_rank`` under ``plan``.
 
     ``trajectories[i]`` is global sample i (``megatron_grpo.trajectory.Trajectory``; the same list
@@ -216,7 +223,8 @@ def build_train_microbatches(trajectories: Sequence, plan: PackPlan, dp_rank: in
     ``[N]``) defaults to each trajectory's ``advantage``. Audio features come from ``featurize``
     or from ``feature_extractor`` (:func:`featurizer_from_extractor`); ``n_window`` is the audio
     config's (for the token-count check). ``ref_logprobs_by_sample`` (token-aligned ``[L_i]``
-    each) fills ``ref_logprobs_T``.
+    each) fills ``ref_logprobs_T``. ``routes``: pack the trajectories' ``routed_experts`` into
+    ``routed_experts_TLK`` (R3, ``engine.routes.pack_routes``).
     """
     n = len(trajectories)
     mine = [i for mb in plan.microbatches[dp_rank] for i in mb]  # only these are read: the others may be
@@ -252,10 +260,15 @@ def build_train_microbatches(trajectories: Sequence, plan: PackPlan, dp_rank: in
                 f, ln = _sample_audio(i, trajectories[i], featurize, n_window, clip_features)
                 feats.append(f)
                 lens.append(ln)
+        routes_TLK = None
+        if routes:
+            from megatron_grpo.engine.routes import pack_routes
+            routes_TLK = pack_routes(mb, trajectories)
         out.append(TrainMicroBatch(
             mb=mb, rollout_logprobs_T=rollout_T.to(torch.float32), advantages_T=adv_T,
             audio_features=torch.cat(feats, dim=1) if feats else None,
-            audio_feature_lens=torch.cat(lens) if lens else None, ref_logprobs_T=ref_T))
+            audio_feature_lens=torch.cat(lens) if lens else None, ref_logprobs_T=ref_T,
+            routed_experts_TLK=routes_TLK))
     return out
 
 

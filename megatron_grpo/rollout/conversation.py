@@ -181,12 +181,22 @@ def _commit_turn(ctx: RolloutContext, state: RolloutState, res: GenerateResult) 
         if res.routed_experts is None:
             if not res.forced and not "r3" in ctx.warned:
                 log.warning("rollout.return_routed_experts is on but the server returned no routed "
-                            "experts (start it with --enable-return-routed-experts and the V2 "
-                            "model runner); trajectories get routed_experts=None")
+                            "experts (start it with `mgrpo serve --return-routed-experts`); "
+                            "trajectories get routed_experts=None")
                 ctx.warned.add("r3")
             state.routed_rows = None
         else:
-            state.routed_rows.append(np.asarray(res.routed_experts))
+            # rows for the positions [covered so far, prompt + sampled ids - 1); a cut turn (above)
+            # drops the rows of the ids it drops
+            rows = np.asarray(res.routed_experts)
+            covered = sum(r.shape[0] for r in state.routed_rows)
+            want = len(state.input_ids) + len(res.token_ids) - 1 - covered
+            if rows.shape[0] != want:
+                raise RolloutConsistencyError(
+                    f"turn {state.num_turns + 1} ({res.url}): the server returned {rows.shape[0]} routed-expert "
+                    f"rows from position {covered} (routed_experts_prompt_start) for a prompt of "
+                    f"{len(state.input_ids)} and {len(res.token_ids)} sampled tokens: expected {want}")
+            state.routed_rows.append(rows[:len(state.input_ids) + len(ids) - 1 - covered])
     state.input_ids.extend(ids)
     state.loss_mask.extend([1] * len(ids))
     state.logprobs.extend(lps)

@@ -88,6 +88,10 @@ class ServerSpec:
     """Serve vLLM's token-in/token-out endpoint ``/inference/v1/generate`` (``--enable-scale-out``),
     which the rollout client needs: it takes prompt token ids plus audio and returns token ids,
     logprobs and the expanded prompt ids (docs/rollout.md, "Multi-turn protocol")."""
+    return_routed_experts: bool = False
+    """Return the experts every token was routed to (R3; vLLM's ``--enable-return-routed-experts``,
+    which needs the prefix cache on). On CPU the server then starts through
+    `megatron_grpo.rollout.vllm_serve` and our worker extension does the capture (`vllm_routes`)."""
     extra_args: list[str] = field(default_factory=list)
     """Further `vllm serve` arguments, passed through verbatim."""
 
@@ -117,7 +121,10 @@ def is_cpu_only() -> bool:
 
 
 def build_command(spec: ServerSpec) -> list[str]:
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+    # R3 on CPU: vLLM's config check needs our patch in the API server process too
+    cpu_routes = spec.return_routed_experts and is_cpu_only()
+    entry = "megatron_grpo.rollout.vllm_serve" if cpu_routes else "vllm.entrypoints.openai.api_server"
+    cmd = [sys.executable, "-m", entry,
            "--model", str(spec.model), "--served-model-name", spec.served_model_name,
            "--host", spec.host, "--port", str(spec.port), "--dtype", spec.dtype,
            "--max-model-len", str(spec.max_model_len), "--seed", str(spec.seed),
@@ -134,6 +141,11 @@ def build_command(spec: ServerSpec) -> list[str]:
         cmd += ["--weight-transfer-config", json.dumps({"backend": spec.weight_transfer_backend})]
     if spec.token_api:  # /inference/v1/generate (+ /render, /derender): the rollout client's endpoint
         cmd += ["--enable-scale-out"]
+    if spec.return_routed_experts:
+        if cpu_routes and not spec.worker_extension:
+            raise ServerError("return_routed_experts on a CPU server needs our worker extension "
+                              f"({DEFAULT_WORKER_EXTENSION}), which does the capture; keep worker_extension set")
+        cmd += ["--enable-return-routed-experts"]
     if spec.api_key:  # the key itself travels in the environment (VLLM_API_KEY), see VLLMServer._env
         cmd += ["--middleware", AUTH_MIDDLEWARE]
     return cmd + list(spec.extra_args)

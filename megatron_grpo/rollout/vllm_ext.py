@@ -10,7 +10,9 @@ Importing it
    `/finish_weight_update`) work on CPU machines, where vLLM only ships NCCL/IPC engines;
 2. patches a vLLM 0.32 CPU bug: fused-MoE expert weights are not re-prepacked after an in-place
    weight update (details at `_patch_cpu_moe_reprepack`). Set ``MGRPO_VLLM_CPU_MOE_FIX=0`` in the
-   server's environment to run without it (only to reproduce the bug).
+   server's environment to run without it (only to reproduce the bug);
+3. gives vLLM's CPU model runner the routed-experts glue of its V2 runner, so
+   ``--enable-return-routed-experts`` (R3) works on CPU servers (`vllm_routes`).
 
 The trainer side of the engine is `megatron_grpo.weight_sync.gloo.GlooTransport`, driven by
 `megatron_grpo.weight_sync.push.push`.
@@ -285,6 +287,8 @@ def _apply_patches() -> None:
         on_cpu = False
     if on_cpu:
         _patch_cpu_moe_reprepack()
+        from megatron_grpo.rollout.vllm_routes import patch_cpu_runner
+        patch_cpu_runner()
 
 
 _apply_patches()
@@ -320,6 +324,16 @@ class WorkerExtension:
         prev = _CPU_MOE_FIX["enabled"]
         _CPU_MOE_FIX["enabled"] = str(enabled).lower() in ("1", "true", "on", "yes")
         return {"previous": prev, "enabled": _CPU_MOE_FIX["enabled"]}
+
+    def mgrpo_record_routes(self, on: str) -> list:
+        """Diagnostics: ``on="1"`` starts recording the expert ids the CPU expert kernel receives
+        (`vllm_routes.RouteRecorder`); ``on="0"`` stops and returns the recorded steps."""
+        from megatron_grpo.rollout.vllm_routes import RECORDER
+
+        if str(on).lower() in ("1", "true", "on", "yes"):
+            RECORDER.start()
+            return []
+        return RECORDER.stop()
 
     def mgrpo_ping(self) -> str:
         return f"megatron_grpo.vllm_ext in {type(self).__name__} (cpu_moe_fix={_CPU_MOE_FIX['enabled']})"

@@ -27,6 +27,7 @@ def local_server_spec(cfg: TrainConfig):
                       max_model_len=s.max_model_len, max_num_seqs=s.max_num_seqs,
                       seed=cfg.trainer.seed, max_audio_per_prompt=s.max_audio_per_prompt,
                       cpu_kvcache_gib=s.cpu_kvcache_gib, max_audio_seconds=s.max_audio_seconds,
+                      return_routed_experts=cfg.rollout.return_routed_experts,
                       extra_args=list(s.extra_args))
 
 

@@ -133,3 +133,20 @@ def test_sync_tally_leaves_out_the_mode_switch():
               w(msg, "/x/model.py", 7), w(msg, "/x/model.py", 7), w("something else", "/x/model.py", 9)]
     res = _tally_syncs(caught)
     assert res == {"total": 3, "by_line": {"model.py:7": 2, f"__init__.py:{sync_code.co_firstlineno + 1}": 1}}, res
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_routing_replay_full_width_uses_the_routes_at_the_unreplayed_speed(tmp_path):
+    """``--routing-replay``: two full-width layers in bf16 (torch backend); a replayed step routes
+    every token to exactly the recorded experts, within 5% of the unreplayed step's time."""
+    out = tmp_path / "replay"
+    cmd = [sys.executable, "-m", "launch.bench.layers", "--layers", "2", "--systems", "ours", "--routing-replay",
+           "--out", str(out)]
+    p = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True,
+                       timeout=1200)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
+    res = json.loads((out / "bench_layers.json").read_text())
+    s = res["systems"]
+    assert s["ours_replay"]["replay_exact"] is True and s["ours_replay"]["backend"] == "torch"
+    assert res["ratios"]["ours_replay_vs_ours_step_s"] <= 1.05, res["ratios"]

@@ -4,6 +4,7 @@ import asyncio
 import json
 
 import pytest
+import torch
 
 from launch.cli import build_parser, main
 from launch.serve_cli import RemoteBindRefused, check_bind
@@ -11,6 +12,7 @@ from megatron_grpo.rollout.server import (
     AUTH_MIDDLEWARE,
     DEFAULT_WORKER_EXTENSION,
     RequireApiKey,
+    ServerError,
     ServerSpec,
     build_command,
 )
@@ -111,6 +113,22 @@ def test_command_line_loads_extension_backend_and_guard(model_dir):
                                      worker_extension=None))
     assert "--weight-transfer-config" not in plain and "--worker-extension-cls" not in plain
     assert "--middleware" not in plain
+
+
+def test_routed_experts_flag_and_cpu_entry(model_dir):
+    """R3: vLLM's flag; a CPU server starts through our entry (its config check is relaxed there);
+    `mgrpo serve --return-routed-experts` sets it; no worker extension on CPU is refused."""
+    cmd = build_command(ServerSpec(model=str(model_dir), port=12345, return_routed_experts=True))
+    assert "--enable-return-routed-experts" in cmd
+    assert cmd[2] == ("megatron_grpo.rollout.vllm_serve" if not torch.cuda.is_available()
+                      else "vllm.entrypoints.openai.api_server")
+    assert "--enable-return-routed-experts" not in build_command(ServerSpec(model=str(model_dir), port=12345))
+    args = build_parser().parse_args(["serve", "--model", str(model_dir), "--return-routed-experts"])
+    assert args.return_routed_experts
+    if not torch.cuda.is_available():
+        with pytest.raises(ServerError, match="needs our worker extension"):
+            build_command(ServerSpec(model=str(model_dir), port=12345, return_routed_experts=True,
+                                     worker_extension=None, weight_transfer_backend=None))
 
 
 def _call(mw, path, headers=()):

