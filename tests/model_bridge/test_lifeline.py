@@ -149,37 +149,61 @@ def test_kill_9_of_mgrpo_train_leaves_no_rank_and_no_vllm_process(tmp_path):
 
 
 HOLD_SERVER = '''
-import os, time
+import time
 def test_hold(vllm_server):
-    with open(os.environ["MGRPO_HOLD_PIDS"] + ".tmp", "w") as f:
-        f.write(str(vllm_server.proc.pid))
-    os.replace(os.environ["MGRPO_HOLD_PIDS"] + ".tmp", os.environ["MGRPO_HOLD_PIDS"])
     time.sleep(600)
 '''
 
 
+def _server_group(parent_pid: int) -> tuple[int | None, list[int]]:
+    """(pgid, pids) of the vLLM server's process group among `parent_pid`'s children (the server
+    runs in its own session: pgid = the API process's pid); (None, []) while there is none."""
+    try:
+        kids = psutil.Process(parent_pid).children()
+    except psutil.NoSuchProcess:
+        return None, []
+    for p in kids:
+        try:
+            if "vllm.entrypoints" in " ".join(p.cmdline()) and _pgid(p.pid) == p.pid:
+                return p.pid, [q.pid for q in psutil.process_iter() if _pgid(q.pid) == p.pid]
+        except psutil.NoSuchProcess:
+            pass
+    return None, []
+
+
 @pytest.mark.slow
 def test_kill_9_of_a_pytest_run_stops_its_vllm_server_fixture(tmp_path):
-    """A pytest run holding the session `vllm_server` fixture, killed with SIGKILL."""
+    """A pytest run whose test needs the session `vllm_server` fixture (started in the background
+    when collection ends), killed with SIGKILL while that server is still starting: as soon as its
+    process group holds the API process and the engine core. Every process of the group, and the
+    watcher that guards it, is gone within 10 s."""
     inner = REPO / "tests" / f"_hold_vllm_server_{os.getpid()}.py"  # under tests/: tests/conftest.py applies
     inner.write_text(HOLD_SERVER)
-    pids_file = tmp_path / "server.pid"
     log = tmp_path / "pytest.log"
+    pgid = None
     try:
         with open(log, "wb") as out:
             proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(inner)],
-                                    cwd=REPO, env=dict(os.environ, MGRPO_HOLD_PIDS=str(pids_file)),
-                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                                    cwd=REPO, env=dict(os.environ), stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
         try:
-            _wait_for(pids_file.exists, 900, "the vllm_server fixture", proc, log)
-            server = int(pids_file.read_text())
-            group = [p.pid for p in psutil.process_iter() if _pgid(p.pid) == server]
-            assert server in group and len(group) >= 2, group  # the API process and its engine core
+            _wait_for(lambda: len(_server_group(proc.pid)[1]) >= 2, 600,
+                      "the vllm_server fixture's API process and engine core", proc, log)
+            pgid, group = _server_group(proc.pid)
+            kids = psutil.Process(proc.pid).children()
+            watchers = [p.pid for p in kids if p.cmdline()[1:3] == ["-S", "-c"] and p.cmdline()[-2] == str(pgid)]
+            assert len(watchers) == 1, [p.cmdline() for p in kids]  # model_bridge.lifeline.guard_group's
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
-            assert _wait_all_dead(group) == []
+            left = _wait_all_dead(group + watchers)
+            assert left == [], [(p, psutil.Process(p).cmdline()) for p in left]
         finally:
             _kill_tree_now(proc)
+            if pgid is not None:  # hygiene if the assertion failed: the group is no longer in the tree
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
     finally:
         inner.unlink()
 
