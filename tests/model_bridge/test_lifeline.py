@@ -122,30 +122,74 @@ def test_a_rollout_failure_is_one_line_on_every_rank_with_the_trace_in_the_run_d
         feed1.take(1, lambda obj: sent[0])
 
 
+def _guards_of(parent_pid: int, pgid: int) -> list[int]:
+    """The `model_bridge.lifeline.guard_group` watchers among `parent_pid`'s children that guard `pgid`."""
+    try:
+        kids = psutil.Process(parent_pid).children()
+    except psutil.NoSuchProcess:
+        return []
+    out = []
+    for p in kids:
+        try:
+            cmd = p.cmdline()
+        except psutil.NoSuchProcess:
+            continue
+        if cmd[1:3] == ["-S", "-c"] and len(cmd) >= 3 and cmd[-2] == str(pgid):
+            out.append(p.pid)
+    return out
+
+
+def _group_gone(pgid) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return all(not _running(p.pid) for p in psutil.process_iter() if _pgid(p.pid) == pgid)
+
+
 @pytest.mark.slow
 def test_kill_9_of_mgrpo_train_leaves_no_rank_and_no_vllm_process(tmp_path):
-    """The embedded tiny job (2 ranks, a local vLLM server), killed with SIGKILL after its first step."""
+    """The embedded tiny job (2 ranks, a local vLLM server), killed with SIGKILL as soon as both
+    ranks run and rank 0's vLLM server has started (its API process, guarded by its watcher): the
+    ranks are spawned first and rank 0 starts the server, so this is the whole tree a training run
+    has. Every pid of that tree and every process of the server's group is gone within 10 s."""
     run = tmp_path / "run"
     log = tmp_path / "train.log"
     env = dict(os.environ, MGRPO_CACHE=str(CACHE / "embedded"), HF_HUB_OFFLINE="1")
+    seen = {}
+
+    def started():
+        try:
+            tree = psutil.Process(proc.pid).children(recursive=True)
+            ranks = [p for p in tree if "spawn_main" in " ".join(p.cmdline())]  # model_bridge.spawn's ranks
+        except psutil.NoSuchProcess:
+            return False
+        servers = [(r, _server_group(r.pid)) for r in ranks]
+        servers = [(r, pgid, group) for r, (pgid, group) in servers if pgid is not None]
+        if len(ranks) != 2 or not servers or not _guards_of(servers[0][0].pid, servers[0][1]):
+            return False
+        seen.update(tree=[p.pid for p in psutil.Process(proc.pid).children(recursive=True)], pgid=servers[0][1])
+        return True
+
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "launch.cli", "train", "trainer.steps=50",
                                  "checkpoint.every=0", "checkpoint.at_end=false", "logging.progress=false",
                                  f"trainer.run_dir={run}"], cwd=REPO, env=env, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        metrics = run / "metrics.jsonl"
-        _wait_for(lambda: metrics.exists() and metrics.read_text().strip(), 900, "step 1", proc, log)
-        tree = psutil.Process(proc.pid).children(recursive=True)
-        ranks = [p.pid for p in tree if "spawn_main" in " ".join(p.cmdline())]  # model_bridge.spawn's ranks
-        vllm = [p.pid for p in tree if "vllm" in " ".join(p.cmdline()) or p.name().startswith("VLLM")]
-        assert len(ranks) == 2 and vllm, [p.cmdline() for p in tree]
+        _wait_for(started, 900, "2 ranks and rank 0's vLLM server", proc, log)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
-        left = _wait_all_dead([p.pid for p in tree])
+        left = _wait_all_dead(seen["tree"])
         assert left == [], [(p, psutil.Process(p).cmdline()) for p in left]
+        assert _group_gone(seen["pgid"])  # also what the server started after we looked
     finally:
         _kill_tree_now(proc)
+        if "pgid" in seen:  # hygiene if an assertion failed: the group is no longer in the tree
+            try:
+                os.killpg(seen["pgid"], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 HOLD_SERVER = '''
@@ -190,13 +234,13 @@ def test_kill_9_of_a_pytest_run_stops_its_vllm_server_fixture(tmp_path):
             _wait_for(lambda: len(_server_group(proc.pid)[1]) >= 2, 600,
                       "the vllm_server fixture's API process and engine core", proc, log)
             pgid, group = _server_group(proc.pid)
-            kids = psutil.Process(proc.pid).children()
-            watchers = [p.pid for p in kids if p.cmdline()[1:3] == ["-S", "-c"] and p.cmdline()[-2] == str(pgid)]
-            assert len(watchers) == 1, [p.cmdline() for p in kids]  # model_bridge.lifeline.guard_group's
+            watchers = _guards_of(proc.pid, pgid)
+            assert len(watchers) == 1, [p.cmdline() for p in psutil.Process(proc.pid).children()]
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
             left = _wait_all_dead(group + watchers)
             assert left == [], [(p, psutil.Process(p).cmdline()) for p in left]
+            assert _group_gone(pgid)  # also what the server started after we looked
         finally:
             _kill_tree_now(proc)
             if pgid is not None:  # hygiene if the assertion failed: the group is no longer in the tree
