@@ -59,6 +59,12 @@ def _write_stats(args, r: dict) -> None:
         Path(args.stats_json).write_text(json.dumps(r, indent=2, default=str) + "\n")
 
 
+def _amount(r: dict) -> str:
+    """``"12.3 MiB in 4.5 s (2.7 MiB/s)"`` of a conversion's result."""
+    mb = r["bytes"] / 2**20
+    return f"{mb:.1f} MiB in {r['seconds']:.1f} s ({_rate(mb, r['seconds'])} MiB/s)"
+
+
 def _rate(mib: float, seconds: float) -> str:
     """MiB/s for the summary line: whole numbers, one decimal below 10 (a tiny model's 0.5 MiB/s is not 0)."""
     r = mib / max(seconds, 1e-9)
@@ -94,10 +100,8 @@ def _cmd_hf_to_mcore(args) -> int:
     r = hf_to_mcore(args.hf, args.out, tp=args.tp, ep=args.ep, etp=args.etp, pp=args.pp, nproc=args.nproc,
                     dtype=args.dtype, progress=not args.no_progress, in_process=not args.spawn)
     _write_stats(args, r)
-    mb = r["bytes"] / 2**20
     print(f"wrote Megatron dist checkpoint {r['out']} (torch_dist, loadable at any TP/EP/PP; written at "
-          f"tp={args.tp} ep={args.ep} pp={args.pp} on {r['world_size']} rank(s)): {mb:.1f} MiB in "
-          f"{r['seconds']:.1f} s ({_rate(mb, r['seconds'])} MiB/s)")
+          f"tp={args.tp} ep={args.ep} pp={args.pp} on {r['world_size']} rank(s)): {_amount(r)}")
     return 0
 
 
@@ -106,10 +110,8 @@ def _cmd_mcore_to_hf(args) -> int:
     r = mcore_to_hf(args.mcore, args.hf_source, args.out, max_shard_size=args.max_shard_size,
                     progress=not args.no_progress, in_process=not args.spawn, notify=lambda m: print(m, flush=True))
     _write_stats(args, r)
-    mb = r["bytes"] / 2**20
     print(f"wrote HF checkpoint {r['out']}: {r['n_model_tensors']} converted + {r['n_passthrough']} pass-through "
-          f"tensors, {mb:.1f} MiB in {r['seconds']:.1f} s ({_rate(mb, r['seconds'])} MiB/s); copied "
-          f"{', '.join(r['side_files'])}")
+          f"tensors, {_amount(r)}; copied {', '.join(r['side_files'])}")
     return 0
 
 

@@ -109,8 +109,10 @@ class ServeConfig:
 class PackingSection:
     """How a step's samples become THD micro-batches (megatron_grpo/packing.py)."""
 
-    max_tokens_per_microbatch: int = 4096
-    """Token budget of one micro-batch, padding included (rounded to the TP size)."""
+    max_tokens_per_microbatch: Union[int, Literal["auto"]] = 4096
+    """Token budget of one micro-batch, padding included (rounded to the TP size). ``auto``: from
+    the free GPU memory after the model and optimizer are built and the model's geometry
+    (``engine/budget.py``; the smallest over the ranks; logged); 4096 on CPU."""
     allow_oversized: bool = True
     """A sample longer than the budget gets a micro-batch of its own (False: error)."""
 
@@ -136,6 +138,17 @@ class TrainerSection:
     then the chunked log-softmax (same values)."""
     max_consecutive_skips: int = 3
     """Stop after this many updates in a row skipped for non-finite gradients."""
+    cuda_graphs: bool = False
+    """On GPU, replay each training micro-batch's decoder stack from a CUDA graph captured once per
+    bucket shape (``engine/graphs.py``: micro-batches padded to a quarter, half, three quarters or
+    all of the token budget); falls back to eager with one logged reason where it does not apply
+    (CPU, PP > 1, EP > 1, TP > 1, recomputation, a non-torch layer spec). Off by default: the one
+    full-width run with it (and ``device_features``) on gave non-finite gradient norms that are not
+    yet traced (docs/performance.md, "Training phase"); graphs equal eager at tiny width."""
+    device_features: bool = False
+    """On GPU, compute the audio clips' log-mel features on the device
+    (``data/device_features.py``, the Whisper extractor's math in torch) instead of on the host;
+    ignored on CPU. Off by default for the same untraced full-width run as ``cuda_graphs``."""
 
     def __post_init__(self):
         if self.steps < 1 or self.prompts_per_step < 1:
@@ -191,8 +204,8 @@ class LoggingSection:
 
 
 @dataclass
-class GuardSection:
-    """Anti-hang watchdog (megatron_grpo/guard.py)."""
+class HangGuardSection:
+    """Anti-hang watchdog (megatron_grpo/hang/)."""
 
     step_timeout_s: float = 1800.0
     """A step (rollout, train, push) running longer dumps every rank's stacks and exits."""
@@ -338,7 +351,7 @@ class TrainConfig:
     trainer: TrainerSection = field(default_factory=TrainerSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     logging: LoggingSection = field(default_factory=LoggingSection)
-    guard: GuardSection = field(default_factory=GuardSection)
+    guard: HangGuardSection = field(default_factory=HangGuardSection)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     def __post_init__(self):

@@ -37,7 +37,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-__all__ = ["PackingConfig", "PackPlan", "MicroBatch", "first_fit_decreasing", "balance_samples",
+__all__ = ["PackLimits", "PackPlan", "MicroBatch", "first_fit_decreasing", "balance_samples",
            "plan_step", "build_microbatch", "build_rank_microbatches", "empty_microbatch",
            "pad_microbatches", "equalize_microbatch_counts", "pack_per_token", "shift_within_samples",
            "next_token_targets", "round_up"]
@@ -51,7 +51,7 @@ def round_up(n: int, multiple: int) -> int:
 
 
 @dataclass(frozen=True)
-class PackingConfig:
+class PackLimits:
     """How one step's samples become micro-batches."""
 
     max_tokens_per_microbatch: int
@@ -192,7 +192,7 @@ class PackPlan:
                 "pack/max_microbatch_tokens": float(max(per_mb, default=0))}
 
 
-def plan_step(lengths: Sequence[int], dp_size: int, config: PackingConfig) -> PackPlan:
+def plan_step(lengths: Sequence[int], dp_size: int, config: PackLimits) -> PackPlan:
     """Deterministic plan for one step (rules 1-3 of the module doc). Every rank computes the same
     plan from the same ``lengths`` and takes ``plan.microbatches[its DP rank]``. An empty step gives
     0 micro-batches on every rank."""
@@ -311,7 +311,7 @@ def _as_1d(x: TokenSeq, dtype: torch.dtype, what: str) -> torch.Tensor:
 
 
 def build_microbatch(sample_ids: Sequence[int], input_ids_by_sample: Sequence[TokenSeq],
-                     loss_mask_by_sample: Sequence[TokenSeq], config: PackingConfig) -> MicroBatch:
+                     loss_mask_by_sample: Sequence[TokenSeq], config: PackLimits) -> MicroBatch:
     """Pack the samples ``sample_ids`` (in this order) into one micro-batch on the CPU.
 
     ``input_ids_by_sample[i]`` / ``loss_mask_by_sample[i]`` are sample i's tokens and mask ([L_i]
@@ -354,7 +354,7 @@ def _assemble(input_ids_T: torch.Tensor, loss_mask_T: torch.Tensor, seg: list[in
                       max_seqlen=max(seg), sample_ids=sample_ids)
 
 
-def empty_microbatch(config: PackingConfig) -> MicroBatch:
+def empty_microbatch(config: PackLimits) -> MicroBatch:
     """A padding micro-batch: ``pad_multiple`` pad tokens in one segment, no loss tokens."""
     T = config.pad_multiple
     return _assemble(torch.full((T,), config.pad_token_id, dtype=torch.int64),
@@ -362,7 +362,7 @@ def empty_microbatch(config: PackingConfig) -> MicroBatch:
 
 
 def build_rank_microbatches(plan: PackPlan, rank: int, input_ids_by_sample: Sequence[TokenSeq],
-                            loss_mask_by_sample: Sequence[TokenSeq], config: PackingConfig) -> list[MicroBatch]:
+                            loss_mask_by_sample: Sequence[TokenSeq], config: PackLimits) -> list[MicroBatch]:
     """The micro-batches of DP ``rank`` in ``plan`` (``plan.num_microbatches`` of them)."""
     if not 0 <= rank < plan.dp_size:
         raise ValueError(f"rank {rank} is outside the plan's {plan.dp_size} DP ranks")
@@ -372,7 +372,7 @@ def build_rank_microbatches(plan: PackPlan, rank: int, input_ids_by_sample: Sequ
             for mb in plan.microbatches[rank]]
 
 
-def pad_microbatches(microbatches: Sequence[MicroBatch], count: int, config: PackingConfig) -> list[MicroBatch]:
+def pad_microbatches(microbatches: Sequence[MicroBatch], count: int, config: PackLimits) -> list[MicroBatch]:
     """``microbatches`` followed by empty ones up to ``count`` (from :func:`equalize_microbatch_counts`)."""
     if count < len(microbatches):
         raise ValueError(f"cannot pad {len(microbatches)} micro-batches down to {count}; the agreed count "

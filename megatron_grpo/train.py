@@ -1,21 +1,36 @@
-"""`mgrpo train`: the GRPO loop. One step = rollout -> rewards -> advantages -> pack -> train -> push.
+"""`mgrpo train`: the GRPO loop. One step = rollout -> rewards -> advantages -> pack -> train step ->
+push -> log -> checkpoint, each a visible call in :func:`train`.
 
 Rank 0 talks to vLLM (rollout, weight push); every rank trains its share of the packed step.
-The setup lives in small helpers (run/embedded.py, run/rollout_side.py, engine/, guard.py);
-this file holds the loop and what each rank decides per step.
+:func:`build_run` assembles what the loop uses into one :class:`Run` (model and optimizer from
+engine/, the rollout backend and trajectory source from run/, the packer's limits, the metrics
+logger); this file holds the setup, the loop and what each rank decides per step.
 """
 from __future__ import annotations
 
 import functools
 import json
 import time
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from megatron_grpo.config import TrainConfig, train_dtype
 from megatron_grpo.configtree import to_dict
+
+if TYPE_CHECKING:  # the annotations of Run; build_run imports them when it runs (megatron-core is heavy)
+    from megatron_grpo.data.reader import DataIterator
+    from megatron_grpo.engine.setup import Engine
+    from megatron_grpo.engine.step import StepConfig
+    from megatron_grpo.metrics import MetricsLogger
+    from megatron_grpo.packing import PackLimits
+    from megatron_grpo.run.replay import ReplayBackend, ReplaySource
+    from megatron_grpo.run.rollout_source import RolloutBackend, TrajectorySource
+    from megatron_grpo.run.trajlog import TrajectoryLog
 
 
 def _broadcast(obj, src: int = 0):
@@ -70,6 +85,20 @@ def _warn_no_signal(step: int, m: dict, streak: bool, say=None) -> bool:
     return now
 
 
+def _token_budget(cfg: TrainConfig, engine, multiple: int) -> int:
+    """``packing.max_tokens_per_microbatch`` as an int; ``auto``: the smallest over the ranks of
+    each rank's budget from its free memory (``engine/budget.py``)."""
+    from megatron_grpo.engine.budget import resolve_token_budget
+
+    value = cfg.packing.max_tokens_per_microbatch
+    budget = resolve_token_budget(value, engine, chunk_tokens=cfg.trainer.logprob_chunk_size, multiple=multiple)
+    if value == "auto" and dist.get_world_size() > 1:
+        t = torch.tensor([budget], device="cuda" if torch.cuda.is_available() else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        budget = int(t.item())
+    return budget
+
+
 PREEMPTED_MARKER = "PREEMPTED"
 """run_dir/PREEMPTED (JSON: step, signal, time): the run stopped on SIGUSR1/SIGTERM after saving the
 checkpoint of `step`; the slurm job script then requeues itself (docs/slurm.md). Removed at start."""
@@ -93,28 +122,82 @@ def _exit_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
-def train(cfg: TrainConfig, resume: bool = False) -> int:
-    """Run (or resume) the job described by `cfg` on this process's rank; returns an exit code."""
-    from megatron.core import parallel_state as ps
+@dataclass
+class Run:
+    """Everything the loop uses, built once by :func:`build_run` (on every rank)."""
 
+    cfg: TrainConfig
+    """The resolved config (the same on every rank)."""
+    rank: int
+    run_dir: Path
+    engine: Engine
+    """This rank's model chunks, optimizer and LR schedule."""
+    backend: Optional[Union[RolloutBackend, ReplayBackend]]
+    """Rank 0: the vLLM servers and rollout engine, or the recording; None elsewhere."""
+    source: Union[TrajectorySource, ReplaySource]
+    """Every rank's trajectories of a step."""
+    to_ranks: Callable
+    """Hands rank 0's trajectories of a step to every rank: all on rank 0, elsewhere the samples of
+    that rank's own micro-batches (``run.to_ranks.deliver``)."""
+    kept: TrajectoryLog
+    """The trainer's logprobs beside recordings, and ``logging.trajectories`` (``run.trajlog``)."""
+    data: Optional[DataIterator]
+    """The prompts' iterator; None when replaying a recording."""
+    featurize: Callable
+    """A clip's log-mel features (the checkpoint's Whisper extractor; on the GPU with
+    ``trainer.device_features``)."""
+    packing: PackLimits
+    """The packer's limits."""
+    step_cfg: StepConfig
+    """What one training step computes."""
+    logger: Optional[MetricsLogger]
+    """Rank 0's metrics logger; None elsewhere."""
+    bar: Any
+    """Rank 0's tqdm progress bar, when ``logging.progress``; None otherwise."""
+    start: int
+    """The last step already done (0 for a new run, the checkpoint's step on resume)."""
+    dp_rank: int
+    dp_size: int
+    on_stream: ExitStack
+    """Keeps this rank's work on the CUDA-graph capture stream (``engine.graphs.trainer_stream``)."""
+
+    def close(self) -> None:
+        """Stop what the run started (rank 0's local vLLM server among it) and leave megatron's groups."""
+        from model_bridge.parallel import destroy_parallel
+
+        for part in (self.source, self.bar, self.logger, self.backend):
+            if part is not None:
+                part.close()
+        self.on_stream.close()
+        destroy_parallel()
+
+
+def build_run(cfg: TrainConfig, resume: bool = False) -> Run:
+    """Set up this rank for `cfg`: parallel groups, model and optimizer, rollout backend and source,
+    data, packer, logger; on resume the checkpoint's state, and the server gets its weights."""
+    from megatron.core import parallel_state as ps
+    from transformers import AutoFeatureExtractor
+
+    from megatron_grpo.data.device_features import trainer_featurizer
     from megatron_grpo.data.reader import DataIterator, read_jsonl
-    from megatron_grpo.engine.batch import build_train_microbatches
-    from megatron_grpo.engine.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_grpo.engine.checkpoint import load_checkpoint
+    from megatron_grpo.engine.graphs import enable_graphs, trainer_stream
+    from megatron_grpo.engine.nonfinite import NonFiniteSkips
     from megatron_grpo.engine.setup import build_engine
-    from megatron_grpo.engine.signals import PreemptionHandler
-    from megatron_grpo.engine.step import StepConfig, train_step
-    from megatron_grpo.guard import StepSchedule, Watchdog, check_schedule
+    from megatron_grpo.engine.step import StepConfig
     from megatron_grpo.metrics import MetricsLogger
-    from megatron_grpo.packing import PackingConfig, plan_step, round_up
+    from megatron_grpo.packing import PackLimits, plan_step, round_up
     from megatron_grpo.run.embedded import ensure_embedded_inputs
-    from megatron_grpo.run.rollout_side import open_feed, open_side
+    from megatron_grpo.run.rollout_source import open_backend, open_source
     from megatron_grpo.run.to_ranks import deliver, dp_ranks_of_all
     from megatron_grpo.run.trajlog import TrajectoryLog
     from model_bridge.config import ParallelLayout
-    from model_bridge.parallel import destroy_parallel, init_parallel
+    from model_bridge.parallel import init_parallel
 
     p = cfg.parallel
     init_parallel(tp=p.tp, ep=p.ep, etp=p.etp, pp=p.pp, seed=cfg.trainer.seed)
+    on_stream = ExitStack()  # the rank's work on the graphs' capture stream, from the engine's build on
+    on_stream.enter_context(trainer_stream(cfg.trainer.cuda_graphs))
     rank = dist.get_rank()
     run_dir = Path(cfg.trainer.run_dir)
     if rank == 0:
@@ -128,27 +211,32 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
     layout = ParallelLayout(tp=p.tp, ep=p.ep, etp=p.etp, pp=p.pp)
     dtype = train_dtype(cfg)  # the local vLLM server gets the same (config.serve_dtype)
     _exit_on_sigterm()  # before the loop a SIGTERM (the rank spawner stopping us) must still run the cleanup
-    side = open_side(cfg, run_dir) if rank == 0 else None  # vLLM starts while ranks build the model
-    try:  # until the loop's `finally` takes over, an error must not leave the local server running
+    backend = open_backend(cfg, run_dir) if rank == 0 else None  # vLLM starts while ranks build the model
+    try:  # until the run exists, an error must not leave the local server running
         engine = build_engine(cfg.model.hf_dir, layout, cfg.optimizer, dtype=dtype, backend=cfg.model.backend,
                               recompute=cfg.model.recompute)
         data = None  # rollout.server replay trains on the recording: the prompts are not read
         if cfg.rollout.server != "replay":
             data = DataIterator.from_config(read_jsonl(cfg.data.train_jsonl, cfg.data), cfg.data,
                                             cfg.trainer.prompts_per_step)
-        from transformers import AutoFeatureExtractor
-        features = AutoFeatureExtractor.from_pretrained(cfg.model.hf_dir)
+        featurize = trainer_featurizer(AutoFeatureExtractor.from_pretrained(cfg.model.hf_dir),
+                                       cfg.trainer.device_features)
         tp_sp = p.tp if p.tp > 1 else 1
-        packing = PackingConfig(max_tokens_per_microbatch=round_up(cfg.packing.max_tokens_per_microbatch, tp_sp),
-                                pad_multiple=tp_sp, allow_oversized=cfg.packing.allow_oversized,
-                                pad_token_id=int(side.tokenizer.pad_token_id or 0) if rank == 0 else 0)
+        budget = _token_budget(cfg, engine, tp_sp)
+        packing = PackLimits(max_tokens_per_microbatch=round_up(budget, tp_sp),
+                             pad_multiple=tp_sp, allow_oversized=cfg.packing.allow_oversized,
+                             pad_token_id=int(backend.tokenizer.pad_token_id or 0) if rank == 0 else 0)
         packing = _broadcast(packing)
+        enable_graphs(engine, cfg.trainer.cuda_graphs, packing.max_tokens_per_microbatch, backend=cfg.model.backend,
+                      recompute=cfg.model.recompute, multiple=packing.pad_multiple)
         step_cfg = StepConfig(loss=cfg.loss, importance=cfg.importance,
                               max_consecutive_skips=cfg.trainer.max_consecutive_skips,
                               logprob_chunk_size=cfg.trainer.logprob_chunk_size,
                               fused_lm_head=cfg.trainer.fused_lm_head)
-        logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, plot=cfg.logging.plot) if rank == 0 else None
-        feed = open_feed(cfg, side, data, rank)  # rollout.server replay: a recording's steps, no server, no push
+        logger = None
+        if rank == 0:
+            logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, plot=cfg.logging.plot)
+        source = open_source(cfg, backend, data, rank)  # rollout.server replay: a recording's steps, no server, no push
         kept = TrajectoryLog(cfg, run_dir, rank)  # trainer logprobs beside recordings, logging.trajectories
         dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         to_ranks = functools.partial(deliver, plan_of=functools.partial(plan_step, dp_size=dp_size, config=packing),
@@ -159,84 +247,117 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
             start, extra = load_checkpoint(run_dir, engine.model, engine.optimizer, engine.scheduler)
             if extra and data is not None and extra.get("data"):
                 data.load_state_dict(extra["data"])
+            if extra and extra.get("nonfinite"):
+                engine.nonfinite = NonFiniteSkips(cfg.trainer.max_consecutive_skips)
+                engine.nonfinite.load_state_dict(extra["nonfinite"])
             if logger:
                 logger.truncate_after(start)
         elif logger:  # a new run in a run dir without checkpoints: its metrics start afresh, unmixed
             logger.truncate_after(0)
         if start > 0 or resume:  # the server must serve the checkpoint's weights, not the HF dir's
-            feed.push(engine.model, start)
+            source.push(engine.model, start)
 
         bar = None
         if rank == 0 and cfg.logging.progress:
             from tqdm import tqdm
             bar = tqdm(total=cfg.trainer.steps, initial=start, desc="grpo", unit="step", dynamic_ncols=True)
     except BaseException:
-        if side:
-            side.close()
+        on_stream.close()
+        if backend:
+            backend.close()
         raise
+    return Run(cfg=cfg, rank=rank, run_dir=run_dir, engine=engine, backend=backend, source=source,
+               to_ranks=to_ranks, kept=kept, data=data, featurize=featurize, packing=packing, step_cfg=step_cfg,
+               logger=logger, bar=bar, start=start, dp_rank=dp_rank, dp_size=dp_size, on_stream=on_stream)
+
+
+def train(cfg: TrainConfig, resume: bool = False) -> int:
+    """Run (or resume) the job described by `cfg` on this process's rank; returns an exit code."""
+    from megatron_grpo.engine.batch import build_train_microbatches
+    from megatron_grpo.engine.signals import PreemptionHandler
+    from megatron_grpo.engine.step import train_step
+    from megatron_grpo.hang import StepSchedule, Watchdog, check_schedule
+    from megatron_grpo.packing import plan_step
+
+    run = build_run(cfg, resume)
+    cfg, src, engine = run.cfg, run.source, run.engine
     preempt = PreemptionHandler().install()
-    g = cfg.guard
-    code = 0
     no_signal = False
     try:
-        with Watchdog(g.step_timeout_s, run_dir, first_step_timeout_s=g.first_step_timeout_s) as wd:
-            for step in range(start + 1, cfg.trainer.steps + 1):
+        g = cfg.guard
+        with Watchdog(g.step_timeout_s, run.run_dir, first_step_timeout_s=g.first_step_timeout_s) as wd:
+            for step in range(run.start + 1, cfg.trainer.steps + 1):
                 with wd.step(step):
-                    times = {}
                     t0 = time.monotonic()
-                    trajs, extra = feed.take(step, to_ranks)       # 1-2. rollout (rank 0), advantages
-                    times["rollout"] = time.monotonic() - t0
+                    batch = src.rollout_and_score(step)       # 1-2. rollout and rewards (rank 0)
+                    trajs, extra = src.advantages(step, batch, run.to_ranks)  # 3. advantages, this rank's share
+                    times = {"rollout": time.monotonic() - t0}
                     if step < cfg.trainer.steps:
-                        feed.prefetch(step + 1)  # rollout.overlap: step+1 rolls out while this step trains
+                        src.prefetch(step + 1)  # rollout.overlap: step+1 rolls out while this step trains
                     t0 = time.monotonic()
-                    plan = plan_step([t.num_tokens for t in trajs], dp_size, packing)  # 3. pack
-                    mbs = build_train_microbatches(trajs, plan, dp_rank, packing, feature_extractor=features,
+                    plan = plan_step([t.num_tokens for t in trajs], run.dp_size, run.packing)  # 4. pack
+                    mbs = build_train_microbatches(trajs, plan, run.dp_rank, run.packing, featurize=run.featurize,
                                                    n_window=engine.spec.audio.n_window)
                     check_schedule(StepSchedule.from_microbatches(step, mbs))
-                    lps = {} if kept.wants(step) else None
-                    with wd.collective("train_step"):                           # 4. train
-                        train_metrics = train_step(engine, mbs, step_cfg, step=step, logprobs_out=lps)
+                    lps = {} if run.kept.wants(step) else None
+                    with wd.collective("train_step"):                       # 5. train step
+                        train_metrics = train_step(engine, mbs, run.step_cfg, step=step, logprobs_out=lps)
                     if lps is not None:
                         with wd.collective("keep_trajectories"):
-                            kept.keep(step, trajs, lps)
+                            run.kept.keep(step, trajs, lps)
                     train_metrics["padding_fraction"] = plan.padding_fraction
                     if torch.cuda.is_available():
                         train_metrics["memory/peak_gib"] = peak_memory_gib()  # max over ranks
                     times["train"] = time.monotonic() - t0
                     t0 = time.monotonic()
-                    feed.settle()                                               # 5. push to vLLM
+                    src.settle()                                             # 6. push to vLLM
                     with wd.collective("weight_push"):
-                        feed.push(engine.model, step)
+                        src.push(engine.model, step)
                     push_s = time.monotonic() - t0
-                    if rank == 0:                                               # 6. log
-                        m = {**_step_metrics(step, trajs, train_metrics, push_s, times), **extra}
-                        logger.log(step, m)
-                        no_signal = _warn_no_signal(step, m, no_signal, say=bar.write if bar else None)
-                        if bar:
-                            bar.set_postfix(reward=f"{m['reward/mean']:.3f}",  # rollout_kl: vLLM vs trainer
-                                            rollout_kl=f"{m.get('mismatch_kl_k3', 0.0):.1e}",
-                                            tok_s=f"{m['tokens_per_s']:.0f}", step_s=f"{m['time/step']:.1f}")
-                            bar.update(1)
-                    ck = cfg.checkpoint                                          # 7. checkpoint
-                    stop = preempt.agreed()
-                    if stop or (ck.every and step % ck.every == 0) or (ck.at_end and step == cfg.trainer.steps):
+                    if run.rank == 0:                                        # 7. log
+                        no_signal = _log_step(run, step, trajs, train_metrics, push_s, times, extra, no_signal)
+                    stop = preempt.agreed()                                  # 8. checkpoint
+                    if stop or _checkpoint_due(cfg, step):
                         with wd.collective("save_checkpoint"):
-                            save_checkpoint(run_dir, step, engine.model, engine.optimizer, engine.scheduler,
-                                            {"data": feed.data_state()}, keep_last=ck.keep_last)
+                            _save(run, step)
                     if stop:
-                        if rank == 0:
-                            _write_preempted(run_dir, step, preempt.signal_name)
+                        if run.rank == 0:
+                            _write_preempted(run.run_dir, step, preempt.signal_name)
                             print(f"[train] preempted: checkpoint of step {step} saved; resume with "
-                                  f"`mgrpo train --resume {run_dir}`", flush=True)
+                                  f"`mgrpo train --resume {run.run_dir}`", flush=True)
                         break
     finally:
-        feed.close()
+        src.close()  # waits for a background rollout, with the preemption handler still in place
         preempt.restore()
-        if bar:
-            bar.close()
-        if logger:
-            logger.close()
-        if side:
-            side.close()
-        destroy_parallel()
-    return code
+        run.close()
+    return 0
+
+
+def _log_step(run: Run, step: int, trajs, train_metrics: dict, push_s: float, times: dict, extra: dict,
+              no_signal: bool) -> bool:
+    """Rank 0: the step's metrics to metrics.jsonl (and TensorBoard, the plot, the bar); whether a
+    streak of steps without learning signal goes on."""
+    m = {**_step_metrics(step, trajs, train_metrics, push_s, times), **extra}
+    run.logger.log(step, m)
+    no_signal = _warn_no_signal(step, m, no_signal, say=run.bar.write if run.bar else None)
+    if run.bar:
+        run.bar.set_postfix(reward=f"{m['reward/mean']:.3f}",  # rollout_kl: vLLM vs trainer
+                            rollout_kl=f"{m.get('mismatch_kl_k3', 0.0):.1e}",
+                            tok_s=f"{m['tokens_per_s']:.0f}", step_s=f"{m['time/step']:.1f}")
+        run.bar.update(1)
+    return no_signal
+
+
+def _checkpoint_due(cfg: TrainConfig, step: int) -> bool:
+    ck = cfg.checkpoint
+    return bool((ck.every and step % ck.every == 0) or (ck.at_end and step == cfg.trainer.steps))
+
+
+def _save(run: Run, step: int) -> None:
+    """The checkpoint of `step` (collective): model, optimizer, LR schedule, the data position and
+    the skipped-update counters."""
+    from megatron_grpo.engine.checkpoint import save_checkpoint
+
+    e = run.engine
+    extra = {"data": run.source.data_state(), "nonfinite": e.nonfinite.state_dict() if e.nonfinite else None}
+    save_checkpoint(run.run_dir, step, e.model, e.optimizer, e.scheduler, extra, keep_last=run.cfg.checkpoint.keep_last)

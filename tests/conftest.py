@@ -63,7 +63,7 @@ def session_server_spec(ckpt: Path):
     weight-transfer backend), so tests of that server and `mgrpo train ... rollout.server=remote`
     runs share it instead of starting their own."""
     from megatron_grpo.config import ModelConfig, ServeConfig, TrainConfig
-    from megatron_grpo.run.rollout_side import local_server_spec
+    from megatron_grpo.run.rollout_source import local_server_spec
 
     # serve.max_model_len "auto" is sized from a run's data; 4096 holds every test's conversations
     return local_server_spec(TrainConfig(model=ModelConfig(hf_dir=str(ckpt)), serve=ServeConfig(max_model_len=4096)))

@@ -10,9 +10,11 @@ thinker layers fwd+bwd: ours vs HF transformers vs megatron's local spec, with t
 batches on the layers bench's length distribution, CPU, :mod:`launch.bench.packing`), ``report`` (`mgrpo
 report` on one 512-sample step: page build and Chromium load time, CPU, :mod:`launch.bench.report`), ``sync`` (weight
 sync of the 48-layer thinker, ``export_hf`` -> buckets -> broadcast -> unpack between two GPUs, against
-raw NCCL bandwidth; with ``--ep N`` from N expert-parallel trainer ranks, each sending its own
-experts, against the gather to rank 0; gloo on CPU, :mod:`launch.bench.sync`), ``to_ranks`` (bytes and host memory each trainer rank receives
-per step: broadcast vs its own micro-batches, gloo on CPU, :mod:`launch.bench.to_ranks`).
+raw NCCL bandwidth; gloo on CPU, :mod:`launch.bench.sync`), ``to_ranks`` (bytes and host memory each
+trainer rank receives per step: broadcast vs its own micro-batches, gloo on CPU,
+:mod:`launch.bench.to_ranks`), ``train`` (the training phase of ``mgrpo train``, features to optimizer
+step, against the layer stack with and without the LM head, and where its time goes,
+:mod:`launch.bench.train`).
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ import importlib
 __all__ = ["add_bench_parser", "KINDS"]
 
 KINDS = {"convert": "launch.bench.convert", "layers": "launch.bench.layers", "packing": "launch.bench.packing",
-         "report": "launch.bench.report", "sync": "launch.bench.sync", "to_ranks": "launch.bench.to_ranks"}
+         "report": "launch.bench.report", "sync": "launch.bench.sync", "to_ranks": "launch.bench.to_ranks",
+         "train": "launch.bench.train"}
 """bench kind -> module with ``add_parser(subparsers)`` (argparse only; heavy imports when it runs)."""
 
 

@@ -83,8 +83,8 @@ def build_megatron(spec, ep: int, backend: str, dtype, device, tensors: dict, re
 
 
 def _rms_norm(x, w, eps: float = 1e-6):
-    """The final RMSNorm as our model runs it (``FastRMSNorm``'s kernels on CUDA: ``norm.rms_norm``;
-    until the eighth session the bench ran ``F.rms_norm`` here, ~0.1 ms slower per 2-layer step)."""
+    """The final RMSNorm as our model runs it (``FastRMSNorm``'s kernels on CUDA: ``norm.rms_norm``),
+    so the final norm costs every system what it costs in training."""
     from model_bridge.modeling.norm import rms_norm
 
     return rms_norm(x, w, eps)

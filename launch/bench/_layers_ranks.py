@@ -40,7 +40,7 @@ def _logger(tag: str, rank: int):
 
 def _pg_timeout_minutes(hang_timeout_s: float) -> int:
     """Process-group (NCCL/gloo) timeout: longer than the watchdog's, so the watchdog names the stuck
-    phase first (guard.py)."""
+    phase first (megatron_grpo/hang)."""
     return int(math.ceil(hang_timeout_s / 60.0)) + 2
 
 
@@ -50,13 +50,13 @@ def _rank_main(out_dir: str, layers: int, tokens, ep: int, tiny: bool, systems: 
     """One rank of one run (``ep`` ranks; rank r on GPU r). Every rank executes the same sequence of
     collective steps whatever its data: nothing below is conditional on the rank except logging
     and the kernel ceiling (which runs only in single-rank runs). Each phase is armed on a
-    :class:`megatron_grpo.guard.Watchdog`: a phase that runs past ``hang_timeout_s`` dumps this
+    :class:`megatron_grpo.hang.Watchdog`: a phase that runs past ``hang_timeout_s`` dumps this
     rank's stacks (``hang-rank{R}-step{S}.txt`` under ``out_dir`` and stderr) and exits, and
     ``run_ranks`` then stops the other ranks. ``loss_batches`` > 0 (the EP1 baseline of an EP run):
     also return :func:`probe_losses` on the micro-batches of ranks 0..loss_batches-1."""
     import torch
 
-    from megatron_grpo.guard import Watchdog
+    from megatron_grpo.hang import Watchdog
 
     rank = int(os.environ.get("RANK", "0"))
     log = _logger(tag, rank)

@@ -212,8 +212,8 @@ def _tally_syncs(caught: list) -> dict:
     """``{"total", "by_line"}`` of the sync warnings among ``caught`` (``warnings.WarningMessage``).
 
     A warning attributed to torch's own ``set_sync_debug_mode`` is the mode switch, not the step:
-    on an H200 (ninth session) the first count after the profiler gave one there, while the same
-    step under ``set_sync_debug_mode("error")`` raised nothing and a second count gave none."""
+    on an H200 the first count after the profiler gave one there, while the same step under
+    ``set_sync_debug_mode("error")`` raised nothing and a second count gave none."""
     import collections
 
     import torch

@@ -91,7 +91,7 @@ rank: tok/s and useful TFLOP/s per GPU, step time, peak memory, and the ratio to
 EP1 baseline also evaluates the loss on every EP rank's micro-batch, and each EP rank's loss on its
 own micro-batch must equal it (``per_rank[r].loss_rel_diff``, relative to ``sum |out * R|``): the
 sharded experts are the same experts. Every rank prints rank-prefixed, flushed progress lines;
-each phase (init, build, steps, ...) is armed on a ``megatron_grpo.guard.Watchdog``
+each phase (init, build, steps, ...) is armed on a ``megatron_grpo.hang.Watchdog``
 (``--hang-timeout``, default 300 s) that dumps the stuck rank's stacks into ``--out`` and ends it,
 whereupon ``run_ranks`` stops the others; the process-group timeout is a little longer than that.
 Profiles of EP runs go to ``bench_layers_ep{N}_profile_rank{r}.txt`` (one per rank).

@@ -73,9 +73,9 @@ def sample_steps(steps: int, samples: int, seed: int = 0, base=DEFAULT_LENGTHS) 
 def plan_ours(lengths: list[int], dp: int, budget: int, pad_multiple: int = 1):
     """(per rank: list of micro-batches, each {"samples": ids, "segments": [(len, copies)], "real": n}),
     from :func:`megatron_grpo.packing.plan_step`."""
-    from megatron_grpo.packing import PackingConfig, plan_step, round_up
+    from megatron_grpo.packing import PackLimits, plan_step, round_up
 
-    cfg = PackingConfig(max_tokens_per_microbatch=round_up(budget, pad_multiple), pad_multiple=pad_multiple,
+    cfg = PackLimits(max_tokens_per_microbatch=round_up(budget, pad_multiple), pad_multiple=pad_multiple,
                         allow_oversized=True)
     plan = plan_step(lengths, dp, cfg)
     ranks = []

@@ -44,59 +44,8 @@ and the same bytes (two integer checksums of the raw bytes per tensor, on the de
 
 Targets: the 30B thinker's ~61 GB in <= 0.5 s, and >= 75% of the raw broadcast bandwidth.
 
-``--ep N`` (N > 1; :mod:`launch.bench._sync_ep`): the trainer as an EP-N job, N + 1 processes. Trainer
-rank r (``cuda:r``) is rank r of a megatron job of its own (world N: EP = N, TP = ETP = PP = 1; dense
-weights replicated, experts [r E/N, (r+1) E/N)); the receiver (``cuda:N``) is in no megatron group.
-Every process fills its parameters from one deterministic HF-space source (each HF tensor
-N(0, 0.02), generated from ``--seed`` and its name, loaded through the mapping table), so the EP
-ranks hold exactly their shares of one set of weights. The data plane is one stateless (N + 1)-rank
-process group (``weight_sync.direct.p2p_group``: NCCL on CUDA, gloo on CPU) carrying only
-point-to-point sends from trainers to the receiver. Two modes, same run, same bytes:
-
-* **direct** (:mod:`megatron_grpo.weight_sync.direct`): each EP rank streams its OWN ``export_hf``
-  tensors (its experts; EP rank 0 also every non-expert tensor, which under EP only data-parallel
-  rank 0 yields) in packed buckets straight to the receiver, all ranks at once, up to ``--buffers``
-  buckets in flight per sender. The receiver is handed every sender's bucket plan before timing (each
-  rank's ``export_plan`` of its meta model, cut like ``iter_buckets``; the control store stands in for
-  HTTP) and receives in one global order (bucket k of every sender in rank order, then bucket k + 1),
-  rebuilding the HF-named tensors with ``unpack_bucket``;
-* **gather** (today's product path): ``weight_sync.gather.export_to_rank0`` streams every rank's
-  tensors to rank 0 over the trainers' own group, and rank 0 sends that single-rank-ordered stream in
-  buckets to the receiver over the data-plane group (its plan from ``gather.export_order``, before timing).
-
-Also timed: **raw_direct** (every sender its direct bucket sizes at once, from a preallocated buffer:
-the ceiling of direct) and **raw_single** (all of those buckets from rank 0 alone: the ceiling of
-gather's last leg). A pass is timed from the first process's start (all N + 1 start after a barrier)
-to the last one's end; GB/s = payload / seconds (medians of ``--iters`` after ``--warmup``). One more
-serial pass per mode (each phase finished and synchronised) gives the phases of every process: direct
-senders ``export`` / ``pack`` / ``send``; gather rank 0 ``gather`` (waiting on ``export_to_rank0``: its
-own export plus the other ranks' buckets) / ``pack`` / ``send``, other ranks
-``export_and_send_to_rank0``; the receiver ``receive`` / ``unpack``. The check (one more untimed pass
-of each mode): every tensor the receiver rebuilt has the name, dtype, shape and bytes (checksums as
-above) its sender exported, and the receiver's tensors of both modes equal a single-rank ``export_hf``
-of the same weights (the receiver builds the EP1 model from the same source after the runs; gather
-also in the single-rank order).
-
-Why ``--ep N`` cannot hang: all N + 1 processes run one sequence of phases (``_sync_ep._body``, the
-same code on every process) separated by barriers of the control store, and inside a phase the only
-blocking operations are (a) the trainers' own megatron collectives (``init_parallel``,
-``export_order``, ``export_to_rank0``: gather.py's argument; the receiver takes no part in them),
-(b) data-plane sends / receives, in the one order of ``weight_sync.direct`` (its argument: each
-sender's ops are a subsequence of the receiver's, direct's export makes no collective, so by
-induction over that order every op completes), and (c) store reads of keys that another process sets
-unconditionally earlier in the same or a previous phase. In gather mode rank 0 interleaves its sends
-to the receiver with ``export_to_rank0``'s operations on the trainers' group: the receiver waits only on
-rank 0's sends, in rank 0's order, and does nothing else, so each send of rank 0 completes once posted
-and rank 0 never waits on the other trainers through the receiver. Should a process stall anyway
-(e.g. a peer died), each phase is armed on a :class:`megatron_grpo.guard.Watchdog`: past
-``--hang-timeout`` (default 300 s) the process dumps its stacks (``hang-rank{R}-step{S}.txt`` under
-``--out``) and exits, and the other processes are stopped; the process groups time out after that
-plus 120 s, the whole run after ``--timeout``. On CUDA ``--ep N`` needs N + 1 GPUs (NCCL cannot put
-two ranks of one group on one GPU): ``--ep 4`` runs on 5 of an 8-GPU host, ``--ep 2`` on 3 of a
-4-GPU host.
-
 Outputs under ``--out``: ``bench_sync.json`` (every number, the environment, the tensor and bucket
-counts) and ``bench_sync.png`` (``--ep N``: ``bench_sync_ep{N}.json`` and ``bench_sync_ep{N}.png``).
+counts) and ``bench_sync.png``.
 ``--tiny`` shrinks the widths (hidden 64, 8 experts, ...) so the
 whole benchmark runs on a CPU in seconds (with ``--layers 48 --experts 128`` it keeps the release's
 18,900 tensors: the per-tensor host overhead without the bytes).
@@ -139,11 +88,9 @@ def run_bench(out_dir, layers: int = 48, audio_layers: int = 32, bucket_mb: int 
               iters: int = 3, warmup: int = 1, device: str | None = None, transport: str | None = None,
               buffers: int = 2, tiny: bool = False, experts: int | None = None, backend: str = "torch",
               seed: int = 0, keep_tensors: bool = False, quiet: bool = False, timeout_s: float = 1800,
-              plot: bool = True, ep: int = 1, hang_timeout_s: float = 300.0) -> dict:
+              plot: bool = True) -> dict:
     """Run the benchmark (module docstring); returns the trainer's results and writes them under out_dir.
-    ``keep_tensors`` (tests, tiny sizes) also returns every sent and received tensor on the CPU (``ep`` > 1:
-    the receiver's tensors of each mode and the single-rank reference export's). ``ep`` > 1: the EP run
-    (module docstring, "--ep N"), ``hang_timeout_s`` its per-phase watchdog limit."""
+    ``keep_tensors`` (tests, tiny sizes) also returns every sent and received tensor on the CPU."""
     import torch
 
     from model_bridge.spawn import run_ranks
@@ -152,14 +99,6 @@ def run_bench(out_dir, layers: int = 48, audio_layers: int = 32, bucket_mb: int 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if ep < 1:
-        raise SystemExit(f"--ep must be >= 1, got {ep}")
-    if ep > 1:
-        return _run_bench_ep(out, ep, dict(
-            layers=layers, audio_layers=audio_layers, bucket_mb=bucket_mb, dtype=dtype, iters=iters, warmup=warmup,
-            device=device, transport=transport, buffers=buffers, tiny=tiny, experts=experts, backend=backend,
-            seed=seed, keep_tensors=keep_tensors, quiet=quiet, timeout_s=timeout_s, hang_timeout_s=hang_timeout_s),
-            plot)
     if device == "cuda" and torch.cuda.device_count() < 2:
         raise SystemExit(f"bench sync on CUDA needs 2 GPUs (trainer cuda:0, receiver cuda:1); this machine has "
                          f"{torch.cuda.device_count()}. Use --device cpu for the gloo path.")
@@ -190,50 +129,11 @@ def run_bench(out_dir, layers: int = 48, audio_layers: int = 32, bucket_mb: int 
     return res
 
 
-def _run_bench_ep(out: Path, ep: int, opts: dict, plot: bool) -> dict:
-    """``--ep N``: N trainer processes (EP = N) + one receiver, modes direct and gather (module docstring)."""
-    import torch
-
-    from launch.bench._sync_ep import run_bench_ep
-    from launch.bench._sync_report import _plot_ep, _print_summary_ep
-    from megatron_grpo.weight_sync.buckets import CPU_BUCKET_BYTES, GPU_BUCKET_BYTES
-
-    device = opts["device"]
-    if device == "cuda" and torch.cuda.device_count() < ep + 1:
-        raise SystemExit(f"bench sync --ep {ep} on CUDA needs {ep + 1} GPUs (trainer ranks on cuda:0..{ep - 1}, the "
-                         f"receiver on cuda:{ep}); this machine has {torch.cuda.device_count()}. Use --device cpu "
-                         "for the gloo path.")
-    if opts["transport"] not in (None, "pg"):
-        raise SystemExit(f"--ep {ep} sends over its own {ep + 1}-rank process group (--transport pg: NCCL on CUDA, "
-                         f"gloo on CPU); --transport {opts['transport']} is the one-sender product transport")
-    experts = opts["experts"] or sync_config(1, 0, opts["tiny"])["thinker_config"]["text_config"]["num_experts"]
-    if experts % ep:
-        raise SystemExit(f"--ep {ep} must divide the number of experts ({experts})")
-    if opts["bucket_mb"] is None:
-        opts["bucket_mb"] = (GPU_BUCKET_BYTES if device == "cuda" else CPU_BUCKET_BYTES) // 2**20
-    opts.update(transport="pg", bucket_mb=float(opts["bucket_mb"]), ep=ep, out=str(out))
-    t0 = time.time()
-    res, values = run_bench_ep(opts, opts["timeout_s"])
-    res["wall_s"] = time.time() - t0
-    res["processes"] = [{k: v for k, v in x.items() if k != "tensors"} for x in values]
-    argv = sys.argv[3:] if sys.argv[1:3] == ["bench", "sync"] else sys.argv[1:]
-    res["command"] = " ".join(["mgrpo", "bench", "sync", *argv])
-    (out / f"bench_sync_ep{ep}.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
-    if plot:
-        _plot_ep(res, out / f"bench_sync_ep{ep}.png")
-    if not opts["quiet"]:
-        _print_summary_ep(res)
-    if opts["keep_tensors"]:
-        res["tensors"] = values[ep]["tensors"]
-    return res
-
-
 def _cmd(args: argparse.Namespace) -> int:
     res = run_bench(args.out, layers=args.layers, audio_layers=args.audio_layers, bucket_mb=args.bucket_mb,
                     dtype=args.dtype, iters=args.iters, warmup=args.warmup, device=args.device,
                     transport=args.transport, buffers=args.buffers, tiny=args.tiny, experts=args.experts,
-                    backend=args.backend, seed=args.seed, timeout_s=args.timeout, ep=args.ep,
-                    hang_timeout_s=args.hang_timeout)
+                    backend=args.backend, seed=args.seed, timeout_s=args.timeout)
     return 0 if res["check"]["ok"] else 1
 
 
@@ -261,13 +161,6 @@ def add_parser(bsub) -> argparse.ArgumentParser:
     s.add_argument("--backend", default="torch",
                    help="layer-spec backend of the model (default torch: grouped experts)")
     s.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
-    s.add_argument("--ep", type=int, default=1,
-                   help="expert parallelism of the trainer (default 1: one trainer process); N > 1: N trainer "
-                        "processes (cuda:0..N-1) + a receiver (cuda:N), modes direct (each EP rank sends its own "
-                        "tensors) and gather (export_to_rank0, then rank 0 sends)")
-    s.add_argument("--hang-timeout", type=float, default=300.0,
-                   help="with --ep > 1: a phase of one process running longer dumps its stacks into --out and "
-                        "ends the run (default 300 s)")
     s.add_argument("--timeout", type=float, default=1800, help="seconds before the processes are killed")
     s.set_defaults(func=_cmd)
     return s

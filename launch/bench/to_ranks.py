@@ -78,12 +78,12 @@ def _rank(rank: int, world: int, port: int, args: dict, queue) -> None:
 
     import torch.distributed as dist
 
-    from megatron_grpo.packing import PackingConfig, plan_step
+    from megatron_grpo.packing import PackLimits, plan_step
     from megatron_grpo.run.to_ranks import Elsewhere, deliver, dp_ranks_of_all
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    packing = PackingConfig(max_tokens_per_microbatch=args["budget"], allow_oversized=True)
+    packing = PackLimits(max_tokens_per_microbatch=args["budget"], allow_oversized=True)
     trajs = make_step(args["prompts"], args["generations"], args["minutes"], args["crop_seconds"],
                       args["text_tokens"]) if rank == 0 else None
 
@@ -119,11 +119,11 @@ def model_bytes(prompts: int, generations: int, minutes: float, crop_s: float, t
     """Bytes per rank per step for both methods, from the packing plan alone: the broadcast sends
     everything (each recording once, every crop, every token) to every rank; to_ranks sends a rank
     the distinct clips and the tokens of its DP rank's samples."""
-    from megatron_grpo.packing import PackingConfig, plan_step
+    from megatron_grpo.packing import PackLimits, plan_step
 
     lengths = _lengths(prompts, generations, minutes, crop_s, text)
     rec, crop = int(minutes * 60 * SR) * 4, int(crop_s * SR) * 4
-    plan = plan_step(lengths, dp, PackingConfig(max_tokens_per_microbatch=budget, allow_oversized=True))
+    plan = plan_step(lengths, dp, PackLimits(max_tokens_per_microbatch=budget, allow_oversized=True))
     group = lambda i: i // generations  # noqa: E731
     total = prompts * rec + len(lengths) * crop + bytes_per_token * sum(lengths)
     per_dp = []
@@ -158,8 +158,8 @@ def run_bench(out_dir, prompts=4, generations=8, minutes=20.0, crop_seconds=220.
     # per-token payload (ids, mask, logprobs, pickled) from a measured rank's share
     r1 = results[1]["to_ranks"]
     lengths = _lengths(prompts, generations, minutes, crop_seconds, text_tokens)
-    from megatron_grpo.packing import PackingConfig, plan_step
-    plan = plan_step(lengths, ranks, PackingConfig(max_tokens_per_microbatch=budget, allow_oversized=True))
+    from megatron_grpo.packing import PackLimits, plan_step
+    plan = plan_step(lengths, ranks, PackLimits(max_tokens_per_microbatch=budget, allow_oversized=True))
     ids1 = [i for mb in plan.microbatches[1] for i in mb]
     rec, crop = int(minutes * 60 * SR) * 4, int(crop_seconds * SR) * 4
     clip_bytes = len({i // generations for i in ids1}) * rec + len(ids1) * crop

@@ -1,21 +1,19 @@
 #!/bin/bash
-# The GPU session's checklist in one call (the device tool's machines: no network, no megatron-core).
+# The GPU machine's checklist in one call (the device tool's machines: no network, no megatron-core).
 #
 #   launch/gpu/checks.sh OUT [STEP ...]
 #
-# STEP (default: tests layers2): tests | layers2 | layers4 | layers8 | mb3072 | ep2 | ep4 | ep8 | ep8_16l | sync
-#       | sync_ep2 | sync_ep4 | sync_ep8
+# STEP (default: tests layers2): tests | layers2 | layers2g | layers4 | layers8 | mb3072 | ep2 | ep4 | ep8 | ep8_16l
+#       | sync | train4 | train8
 # * installs megatron-core from .whl/megatron_core-*.whl when it does not import (only that wheel:
 #   soundfile's wheel needs cffi, which the image lacks, and breaks librosa's import);
 # * tests: pytest -m gpu over the test files that have GPU tests (collecting all of tests/ fails
 #   there: some modules import vLLM at collection);
-# * layers*/mb3072/ep2/sync: the benchmarks with the commands docs/performance.md quotes;
-# * sync_epN: weight sync from an EP-N trainer (N GPUs) to a receiver GPU, direct vs gather: needs N + 1
-#   GPUs (sync_ep2: a 4-GPU host; sync_ep4: an 8-GPU host; sync_ep8: 9 GPUs, so it stops at once, with
-#   the reason, on an 8-GPU host);
+# * layers*/mb3072/ep2/sync/train*: the benchmarks with the commands docs/performance.md quotes
+#   (train*: mgrpo bench train at 4 / 8 full-width layers; its generated checkpoint goes to /tmp);
 # every step has its own time limit and writes under OUT (logs, JSON, PNG, profiles).
 set -uo pipefail
-OUT=${1:?usage: launch/gpu/checks.sh OUT [tests|layers2|layers4|layers8|mb3072|ep2|ep4|ep8|ep8_16l|sync|sync_ep2|sync_ep4|sync_ep8 ...]}
+OUT=${1:?usage: launch/gpu/checks.sh OUT [tests|layers2|layers2g|layers4|layers8|mb3072|ep2|ep4|ep8|ep8_16l|sync|train4|train8 ...]}
 shift
 STEPS=("${@:-tests layers2}")
 mkdir -p "$OUT"
@@ -38,6 +36,9 @@ for step in ${STEPS[@]}; do
            timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider -rs $files 2>&1 | tee "$OUT/gpu_tests.log" \
              | grep -v "warn\|^  \|^$" | tail -25 || rc=1 ;;
     layers2) bench layers2 300 layers --layers 2 --systems ours,ours_graph,ours_sepqkn,ours_mb,ours_mb_graph,ours_mb_rc,hf_bs1,hf_bs4 --out "$OUT/layers2" || rc=1 ;;
+    layers2g) bench layers2g 300 layers --layers 2 --systems ours,ours_mb,ours_mb_graph --out "$OUT/layers2g" || rc=1 ;;
+    train4) bench train4 540 train --layers 4 --out "$OUT/train4" --work-dir /tmp/bench_train || rc=1 ;;
+    train8) bench train8 570 train --layers 8 --out "$OUT/train8" --work-dir /tmp/bench_train || rc=1 ;;
     layers4) bench layers4 300 layers --layers 4 --systems ours,ours_mb_rc,hf_bs1 --out "$OUT/layers4" || rc=1 ;;
     layers8) bench layers8 300 layers --layers 8 --systems ours --out "$OUT/layers8" || rc=1 ;;
     mb3072) bench mb3072 200 layers --layers 2 --systems ours_mb,ours_mb_rc,hf_bs1 --mb-tokens 3072 --out "$OUT/mb3072" || rc=1 ;;
@@ -46,10 +47,7 @@ for step in ${STEPS[@]}; do
     ep8) bench ep8 360 layers --layers 2 --ep 8 --hang-timeout 150 --timeout 340 --out "$OUT/ep8" || rc=1 ;;
     ep8_16l) bench ep8_16l 480 layers --layers 16 --ep 8 --hang-timeout 200 --timeout 460 --out "$OUT/ep8_16l" || rc=1 ;;
     sync) bench sync 420 sync --out "$OUT/sync" || rc=1 ;;
-    sync_ep2) bench sync_ep2 540 sync --ep 2 --hang-timeout 240 --timeout 520 --out "$OUT/sync_ep2" || rc=1 ;;
-    sync_ep4) bench sync_ep4 570 sync --ep 4 --hang-timeout 240 --timeout 550 --out "$OUT/sync_ep4" || rc=1 ;;
-    sync_ep8) bench sync_ep8 570 sync --ep 8 --hang-timeout 240 --timeout 550 --out "$OUT/sync_ep8" || rc=1 ;;
-    *) echo "unknown step $step (tests|layers2|layers4|layers8|mb3072|ep2|ep4|ep8|ep8_16l|sync|sync_ep2|sync_ep4|sync_ep8)"; rc=2 ;;
+    *) echo "unknown step $step (tests|layers2|layers2g|layers4|layers8|mb3072|ep2|ep4|ep8|ep8_16l|sync|train4|train8)"; rc=2 ;;
   esac
 done
 exit $rc

@@ -9,7 +9,8 @@
 * ``forward``: ``run_schedule`` (megatron's forward-backward schedule), ``compute_logprobs``
   (no-grad old / reference policy logprobs);
 * ``step``: ``StepConfig``, ``train_step`` (loss with global normalisers, MoE aux loss, clipping,
-  non-finite guard), ``forward_backward``, ``optimizer_update``;
+  skipped non-finite updates), ``forward_backward``, ``optimizer_update``; ``nonfinite``:
+  ``NonFiniteSkips``, the skipped-update counters;
 * ``checkpoint`` / ``signals``: distributed checkpoints with exact resume, preemption signals.
 
 Submodules import megatron-core; this package itself imports nothing heavy.
@@ -27,7 +28,7 @@ _WHERE = {
     "compute_logprobs": "forward", "fill_old_logprobs": "forward", "fill_ref_logprobs": "forward",
     "run_schedule": "forward",
     "StepConfig": "step", "train_step": "step", "forward_backward": "step", "optimizer_update": "step",
-    "NonFiniteGradError": "step", "NonFiniteGuard": "step", "StepError": "step",
+    "NonFiniteGradError": "nonfinite", "NonFiniteSkips": "nonfinite", "StepError": "step",
 }
 
 __all__ = sorted(_WHERE)

@@ -27,7 +27,7 @@ from typing import Callable, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from megatron_grpo.packing import (MicroBatch, PackingConfig, PackPlan, build_rank_microbatches, pack_per_token,
+from megatron_grpo.packing import (MicroBatch, PackLimits, PackPlan, build_rank_microbatches, pack_per_token,
                                    to_device)
 
 __all__ = ["TrainMicroBatch", "Featurizer", "build_train_microbatches", "featurizer_from_extractor",
@@ -204,7 +204,7 @@ def _sample_audio(i: int, traj, featurize: Optional[Featurizer], n_window: int, 
     return feats, lens
 
 
-def build_train_microbatches(trajectories: Sequence, plan: PackPlan, dp_rank: int, config: PackingConfig, *,
+def build_train_microbatches(trajectories: Sequence, plan: PackPlan, dp_rank: int, config: PackLimits, *,
                              advantages_N: Optional[torch.Tensor] = None, featurize: Optional[Featurizer] = None,
                              feature_extractor=None, n_window: int = 50,
                              ref_logprobs_by_sample: Optional[Sequence[torch.Tensor]] = None

@@ -19,7 +19,7 @@ What one checkpoint holds (every rank contributes its shards; nothing is gathere
 * ``scheduler``: ``OptimizerParamScheduler.state_dict()`` and the step (common state, rank 0);
 * ``rank_state``: one object per rank (a ``ShardedObject`` of shape ``[world]``): its RNG states
   (Python, NumPy, torch CPU, torch CUDA, megatron's TP/EP RNG tracker) and ``extra_state`` (the
-  data iterator's position, the non-finite guard's counters, ...: anything picklable).
+  data iterator's position, the skipped-update counters, ...: anything picklable).
 
 Save protocol (all ranks call :func:`save_checkpoint`): rank 0 creates ``.tmp-step_N``; all ranks
 write their shards into it with ``dist_checkpointing.save``; rank 0 writes
@@ -353,7 +353,7 @@ def save_checkpoint(run_dir: os.PathLike | str, step: int, model_chunks, optimiz
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    from megatron_grpo.guard import collective
+    from megatron_grpo.hang import collective
 
     step = int(step)
     root = checkpoint_root(run_dir)
@@ -433,7 +433,7 @@ def load_checkpoint(run_dir: os.PathLike | str, model_chunks, optimizer, schedul
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    from megatron_grpo.guard import collective
+    from megatron_grpo.hang import collective
 
     chosen = None
     error = None

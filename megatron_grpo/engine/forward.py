@@ -59,13 +59,18 @@ def _unwrap(model):
     return model
 
 
-def _forward_step(use_fp16_wrapper: bool, fused: bool, loss_for: Callable, data_iterator, model):
-    """megatron ``forward_step_func``: one micro-batch through this stage."""
+def _forward_step(use_fp16_wrapper: bool, fused: bool, loss_for: Callable, data_iterator, model, graphs=None):
+    """megatron ``forward_step_func``: one micro-batch through this stage (``graphs``: its decoder
+    stack through ``engine.graphs.MicroBatchGraphs`` where that applies)."""
     from model_bridge.modeling.thinker import OmniThinker
 
     tmb: TrainMicroBatch = next(data_iterator)
     dev = model_device()
     t = tmb.to(dev, non_blocking=True)
+    if graphs is not None and fused:
+        out = _graphed_forward(graphs, _unwrap(model), tmb, t)
+        if out is not None:
+            return out, partial(loss_for, t, lm_head_weight=_unwrap(model).lm_head_weight())
     # built from the host batch: no host sync in the forward, so the host can queue this micro-batch
     # while the GPU still works on the previous one (thd.py)
     thinker = _unwrap(model)
@@ -85,8 +90,19 @@ def _forward_step(use_fp16_wrapper: bool, fused: bool, loss_for: Callable, data_
     return out, partial(loss_for, t)
 
 
+def _graphed_forward(graphs, thinker, tmb: TrainMicroBatch, t: TrainMicroBatch):
+    """Final hidden states ``[T, 1, h]`` with the decoder stack replayed from its CUDA graph
+    (``engine.graphs``) and the embedding + audio tower eager, or None (run the micro-batch eagerly).
+    The float features go in the model's dtype, as megatron's ``Float16Module`` would pass them."""
+    dtype = next(thinker.parameters()).dtype
+    feats = None if t.audio_features is None else t.audio_features.to(dtype)
+    emb = thinker.embed(t.input_ids_T.unsqueeze(0), feats, tmb.audio_feature_lens,
+                        tmb.count_tokens(thinker.spec.audio_token_id))
+    return graphs.run(emb, t.position_ids(), tmb.mb.cu_seqlens_S.tolist())
+
+
 def run_schedule(model, microbatches: Sequence[TrainMicroBatch], loss_for: Callable, *, forward_only: bool,
-                 force_all_reduce: bool = False, fused_lm_head: bool = False) -> list:
+                 force_all_reduce: bool = False, fused_lm_head: bool = False, graphs=None) -> list:
     """megatron's forward(-backward) schedule over ``microbatches``; returns the loss functions'
     second outputs (last pipeline stage; ``[]`` elsewhere).
 
@@ -95,7 +111,7 @@ def run_schedule(model, microbatches: Sequence[TrainMicroBatch], loss_for: Calla
     With ``fused_lm_head`` (module doc) ``output_tensor`` is the final hidden states and
     ``loss_for`` also gets ``lm_head_weight=``. ``force_all_reduce`` (training only) all-reduces
     the gradients instead of reduce-scattering them, so every DP rank holds the full gradient
-    (tests).
+    (tests). ``graphs`` (training only): an ``engine.graphs.MicroBatchGraphs`` for the decoder stack.
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -110,7 +126,8 @@ def run_schedule(model, microbatches: Sequence[TrainMicroBatch], loss_for: Calla
         return []
     get_model_config(chunks[0]).variable_seq_lengths = True  # packed micro-batches differ in T
     fb = get_forward_backward_func()
-    kw = dict(forward_step_func=partial(_forward_step, has_float16_wrapper(chunks[0]), bool(fused_lm_head), loss_for),
+    kw = dict(forward_step_func=partial(_forward_step, has_float16_wrapper(chunks[0]), bool(fused_lm_head), loss_for,
+                                        graphs=None if forward_only else graphs),
               data_iterator=iter(list(microbatches)), model=chunks, num_microbatches=len(microbatches),
               seq_length=max(m.num_tokens for m in microbatches), micro_batch_size=1, forward_only=forward_only)
     if force_all_reduce:

@@ -20,13 +20,15 @@ pipeline exchanges shapes first).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional
 
 import torch
 
 from model_bridge.config import OmniSpec, ParallelLayout
+
+from .nonfinite import NonFiniteSkips
 
 __all__ = ["OptimConfig", "Engine", "build_model", "build_optimizer", "build_scheduler", "build_engine",
            "default_dtype", "unwrapped", "has_float16_wrapper"]
@@ -158,7 +160,14 @@ class Engine:
     dtype: torch.dtype
     optim: OptimConfig
     hf_dir: Optional[str] = None
-    extra: dict = field(default_factory=dict)
+    nonfinite: Optional[NonFiniteSkips] = None
+    """Skipped-update counters (:func:`~megatron_grpo.engine.step.optimizer_update` creates them;
+    the trainer checkpoints and restores them)."""
+    graphs: Optional[object] = None
+    """The micro-batches' CUDA graphs (``engine.graphs.MicroBatchGraphs``) when
+    ``trainer.cuda_graphs`` applies (:func:`~megatron_grpo.engine.graphs.enable_graphs`); None: eager."""
+    graphs_fallback: Optional[str] = None
+    """Why ``trainer.cuda_graphs`` did not apply (None when it did or was off)."""
 
     @property
     def config(self):
@@ -208,7 +217,7 @@ def build_model(spec: OmniSpec, layout: ParallelLayout, *, dtype: Optional[torch
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=optim.overlap_grad_reduce,
         overlap_param_gather=optim.overlap_param_gather, use_distributed_optimizer=optim.use_distributed_optimizer,
-        check_for_nan_in_grad=False,  # the step's non-finite guard skips instead of raising
+        check_for_nan_in_grad=False,  # the step skips a non-finite update (NonFiniteSkips) instead of raising
         bucket_size=optim.bucket_size)
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)
     config.finalize_model_grads_func = finalize_model_grads

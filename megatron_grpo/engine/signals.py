@@ -93,7 +93,7 @@ class PreemptionHandler:
         on_gpu = "nccl" in backend and "gloo" not in backend
         device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
         flag = torch.tensor([1 if self.requested else 0], dtype=torch.int32, device=device)
-        from megatron_grpo.guard import collective
+        from megatron_grpo.hang import collective
 
         with collective("preemption_flag_all_reduce"):
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)

@@ -7,7 +7,7 @@ invariant 1), does:
 1. **Agree** (one all-reduce over the world): every rank has the same number of micro-batches and
    none found a local problem (e.g. a KL term without reference logprobs); otherwise every rank
    raises, naming the counts / the failing rank. (The full schedule comparison and the watchdog
-   are ``megatron_grpo.guard``'s.)
+   are ``megatron_grpo.hang``'s.)
 2. **Old logprobs for MIS**: masked IS must know which tokens it rejects before the normalisers
    are counted, so with ``importance.mode == "mis"`` and a micro-batch without ``old_logprobs_T``
    (on the last stage, where they live) a forward-only pass fills them all first
@@ -67,17 +67,14 @@ from megatron_grpo.algo.losses import LossConfig, metric_reduce_op, policy_loss,
 from .batch import TrainMicroBatch
 from .forward import DEFAULT_FUSED_LM_HEAD, fill_old_logprobs, is_last_stage, model_device, run_schedule
 from .logprobs import DEFAULT_CHUNK_TOKENS, token_logprobs
+from .nonfinite import NonFiniteGradError, NonFiniteSkips
 
-__all__ = ["StepConfig", "NonFiniteGradError", "NonFiniteGuard", "forward_backward", "optimizer_update",
+__all__ = ["StepConfig", "NonFiniteGradError", "NonFiniteSkips", "forward_backward", "optimizer_update",
            "train_step", "StepError"]
 
 
 class StepError(RuntimeError):
     """The ranks cannot run this step (count mismatch, a rank's bad input); raised on every rank."""
-
-
-class NonFiniteGradError(RuntimeError):
-    """Too many consecutive steps with non-finite gradients; raised on every rank."""
 
 
 @dataclass(frozen=True)
@@ -108,35 +105,6 @@ class StepConfig:
     @property
     def with_entropy(self) -> bool:
         return self.compute_entropy or self.loss.entropy_coef > 0
-
-
-class NonFiniteGuard:
-    """Counts consecutive skipped updates; raises after ``max_consecutive`` of them."""
-
-    def __init__(self, max_consecutive: int = 3):
-        self.max_consecutive = int(max_consecutive)
-        self.consecutive = 0
-        self.total = 0
-
-    def record(self, skipped: bool, grad_norm: float, step: Optional[int] = None) -> None:
-        if not skipped:
-            self.consecutive = 0
-            return
-        self.consecutive += 1
-        self.total += 1
-        if self.consecutive >= self.max_consecutive:
-            where = "" if step is None else f" (at step {step})"
-            raise NonFiniteGradError(
-                f"{self.consecutive} consecutive training steps had non-finite gradients (grad norm {grad_norm}); "
-                f"the update was skipped each time and the run stops{where}. Lower the LR, check the rewards / "
-                f"advantages for NaN, or raise StepConfig.max_consecutive_skips (now {self.max_consecutive})")
-
-    def state_dict(self) -> dict:
-        return {"consecutive": self.consecutive, "total": self.total}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.consecutive = int(state.get("consecutive", 0))
-        self.total = int(state.get("total", 0))
 
 
 # --------------------------------------------------------------------------------------------
@@ -231,7 +199,7 @@ def _validate(engine, microbatches: Sequence[TrainMicroBatch], config: StepConfi
     for k, m in enumerate(microbatches):
         if layout.sequence_parallel and m.num_tokens % layout.tp:
             return (f"micro-batch {k} has {m.num_tokens} tokens, not a multiple of tp={layout.tp} (sequence "
-                    f"parallelism): pack with PackingConfig(pad_multiple={layout.tp})")
+                    f"parallelism): pack with PackLimits(pad_multiple={layout.tp})")
         if is_last_stage() and config.loss.kl_coef > 0 and m.ref_logprobs_T is None:
             return (f"micro-batch {k} has no ref_logprobs_T but loss.kl_coef={config.loss.kl_coef} > 0: fill them "
                     "with engine.forward.fill_ref_logprobs(ref_model, microbatches, ...)")
@@ -303,6 +271,13 @@ def _moe_aux_metric(num_microbatches: int) -> dict[str, float]:
     return out
 
 
+_STEP_COUNTS = ("kept_tokens", "kept_samples", "loss_tokens", "loss_samples", "tokens_total", "tokens_real",
+                "audio_clips", "samples", "empty_microbatches")
+"""What :func:`forward_backward` counts over the step's micro-batches, summed over DP in one all-reduce:
+tokens and samples kept by the IS correction (the loss normalisers), tokens and samples under the
+loss mask, all / non-padding tokens, audio clips, samples, empty (padding) micro-batches."""
+
+
 def forward_backward(engine, microbatches: Sequence[TrainMicroBatch], config: StepConfig, *,
                      force_all_reduce: bool = False, logprobs_out: Optional[dict] = None) -> dict[str, float]:
     """Steps 1-4 of the module doc: gradients of the step loss end up reduced in the DDP buffers
@@ -324,24 +299,26 @@ def forward_backward(engine, microbatches: Sequence[TrainMicroBatch], config: St
                                          chunk_size=config.logprob_chunk_size, fused_lm_head=config.fused_lm_head)
 
     # global normalisers and step counts (the last stage counts; every stage learns them)
-    counts = torch.zeros(9, dtype=torch.float64)
+    mine = dict.fromkeys(_STEP_COUNTS, 0.0)
     if is_last_stage():
         keeps = _keep_masks(microbatches, config)
-        counts[0] = float(sum(int(k.sum()) for k in keeps))
-        counts[1] = float(sum(_count_samples(k, m.sample_index_T) for k, m in zip(keeps, microbatches)))
-        counts[2] = float(sum(int(m.loss_mask_T.sum()) for m in microbatches))
-        counts[3] = float(sum(_count_samples(m.loss_mask_T.bool(), m.sample_index_T) for m in microbatches))
-        counts[4] = float(sum(m.num_tokens for m in microbatches))
-        counts[5] = float(sum(m.mb.num_real_tokens for m in microbatches))
-        counts[6] = float(sum(m.num_clips for m in microbatches))
-        counts[7] = float(sum(m.mb.num_samples for m in microbatches))
-        counts[8] = float(sum(1 for m in microbatches if m.is_padding))
-    counts = _reduce_last_stage_dp_then_share(counts)
-    norms = {"tokens": float(counts[0]), "samples": float(counts[1]), "loss_tokens": float(counts[2]),
-             "loss_samples": float(counts[3])}
+        mine.update(
+            kept_tokens=float(sum(int(k.sum()) for k in keeps)),
+            kept_samples=float(sum(_count_samples(k, m.sample_index_T) for k, m in zip(keeps, microbatches))),
+            loss_tokens=float(sum(int(m.loss_mask_T.sum()) for m in microbatches)),
+            loss_samples=float(sum(_count_samples(m.loss_mask_T.bool(), m.sample_index_T) for m in microbatches)),
+            tokens_total=float(sum(m.num_tokens for m in microbatches)),
+            tokens_real=float(sum(m.mb.num_real_tokens for m in microbatches)),
+            audio_clips=float(sum(m.num_clips for m in microbatches)),
+            samples=float(sum(m.mb.num_samples for m in microbatches)),
+            empty_microbatches=float(sum(1 for m in microbatches if m.is_padding)))
+    reduced = _reduce_last_stage_dp_then_share(torch.tensor([mine[k] for k in _STEP_COUNTS], dtype=torch.float64))
+    counts = {k: float(v) for k, v in zip(_STEP_COUNTS, reduced.tolist())}
+    norms = {"tokens": counts["kept_tokens"], "samples": counts["kept_samples"], "loss_tokens": counts["loss_tokens"],
+             "loss_samples": counts["loss_samples"]}
     if norms["tokens"] <= 0 or norms["samples"] <= 0:
-        raise StepError(f"no loss token in this step on any rank (loss tokens {int(counts[2])}, kept by IS "
-                        f"{int(counts[0])}): nothing to train")
+        raise StepError(f"no loss token in this step on any rank (loss tokens {int(counts['loss_tokens'])}, kept by "
+                        f"IS {int(counts['kept_tokens'])}): nothing to train")
 
     dp = ps.get_data_parallel_world_size(with_context_parallel=True)
     scale = float(M * dp)
@@ -354,14 +331,15 @@ def forward_backward(engine, microbatches: Sequence[TrainMicroBatch], config: St
     collected = run_schedule(engine.model, microbatches,
                              partial(_loss_for, engine.spec.text.vocab_size, config, norms, scale, logprobs_out),
                              forward_only=False, force_all_reduce=force_all_reduce,
-                             fused_lm_head=config.fused_lm_head)
+                             fused_lm_head=config.fused_lm_head, graphs=engine.graphs)
     local = reduce_metrics(collected) if collected else {}
     metrics = _reduce_metrics_dp_pp(local)
     metrics.update(_moe_aux_metric(M))
+    total, real = counts["tokens_total"], counts["tokens_real"]
     metrics.update(num_microbatches=float(M), global_num_tokens=norms["tokens"], global_num_samples=norms["samples"],
-                   loss_tokens=norms["loss_tokens"], tokens_total=float(counts[4]), tokens_real=float(counts[5]),
-                   padding_fraction=1.0 - float(counts[5]) / float(counts[4]) if counts[4] > 0 else 0.0,
-                   audio_clips=float(counts[6]), samples=float(counts[7]), empty_microbatches=float(counts[8]))
+                   loss_tokens=norms["loss_tokens"], tokens_total=total, tokens_real=real,
+                   padding_fraction=1.0 - real / total if total > 0 else 0.0, audio_clips=counts["audio_clips"],
+                   samples=counts["samples"], empty_microbatches=counts["empty_microbatches"])
     return metrics
 
 
@@ -388,7 +366,7 @@ def _current_lr(optimizer) -> float:
     return float(groups[0]["lr"]) if groups else float("nan")
 
 
-def optimizer_update(engine, guard: Optional[NonFiniteGuard] = None, step: Optional[int] = None) -> dict[str, float]:
+def optimizer_update(engine, skips: Optional[NonFiniteSkips] = None, step: Optional[int] = None) -> dict[str, float]:
     """Step 5 of the module doc. Collective (every rank). Returns ``grad_norm``, ``lr``, ``skipped``,
     ``consecutive_skips``; raises NonFiniteGradError after too many skips in a row."""
     opt = engine.optimizer
@@ -401,23 +379,22 @@ def optimizer_update(engine, guard: Optional[NonFiniteGuard] = None, step: Optio
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         bad = bool(int(flag.item()))
     lr = _current_lr(opt)
-    if guard is None:
-        guard = engine.extra.setdefault("nonfinite_guard", NonFiniteGuard())
+    if skips is None:
+        if engine.nonfinite is None:
+            engine.nonfinite = NonFiniteSkips()
+        skips = engine.nonfinite
     if not bad:
         if engine.optim.clip_grad > 0:
             _clip(opt, grad_norm)
         opt.step_with_ready_grads()
         engine.scheduler.step(1)
-    try:
-        guard.record(bad, grad_norm, step)
-    finally:
-        engine.extra["last_update"] = {"skipped": bad, "grad_norm": grad_norm}
-    return {"grad_norm": grad_norm, "lr": lr, "skipped": float(bad), "consecutive_skips": float(guard.consecutive),
-            "total_skips": float(guard.total)}
+    skips.record(bad, grad_norm, step)
+    return {"grad_norm": grad_norm, "lr": lr, "skipped": float(bad), "consecutive_skips": float(skips.consecutive),
+            "total_skips": float(skips.total)}
 
 
 def train_step(engine, microbatches: Sequence[TrainMicroBatch], config: StepConfig, *,
-               guard: Optional[NonFiniteGuard] = None, step: Optional[int] = None,
+               skips: Optional[NonFiniteSkips] = None, step: Optional[int] = None,
                logprobs_out: Optional[dict] = None) -> dict[str, float]:
     """Zero the grads, :func:`forward_backward`, :func:`optimizer_update`; the merged metrics.
 
@@ -428,10 +405,10 @@ def train_step(engine, microbatches: Sequence[TrainMicroBatch], config: StepConf
     for m in engine.model:
         m.zero_grad_buffer()
     engine.optimizer.zero_grad()
-    if guard is None:
-        guard = engine.extra.get("nonfinite_guard")
-        if guard is None or guard.max_consecutive != config.max_consecutive_skips:
-            guard = engine.extra["nonfinite_guard"] = NonFiniteGuard(config.max_consecutive_skips)
+    if skips is None:
+        skips = engine.nonfinite
+        if skips is None or skips.max_consecutive != config.max_consecutive_skips:
+            skips = engine.nonfinite = NonFiniteSkips(config.max_consecutive_skips)
     metrics = forward_backward(engine, microbatches, config, logprobs_out=logprobs_out)
-    metrics.update(optimizer_update(engine, guard, step))
+    metrics.update(optimizer_update(engine, skips, step))
     return metrics

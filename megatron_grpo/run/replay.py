@@ -204,8 +204,8 @@ def load_step(directory, step: int):
 
 # ---- replay -------------------------------------------------------------------------------------
 
-class ReplaySide:
-    """Rank 0's side in replay mode: the tokenizer and the recording; no server, no push."""
+class ReplayBackend:
+    """Rank 0's backend in replay mode: the tokenizer and the recording; no server, no push."""
 
     def __init__(self, cfg, run_dir=None):
         from transformers import AutoTokenizer
@@ -222,27 +222,33 @@ class ReplaySide:
               "pushed", flush=True)
 
     def push(self, weights, version: int):
-        """Nothing to push to (ReplayFeed.push never exports the weights)."""
+        """Nothing to push to (ReplaySource.push never exports the weights)."""
 
     def close(self):
         pass
 
 
-class ReplayFeed:
-    """The RolloutFeed interface over a recording: step k's trajectories are step_k's, broadcast from
+class ReplaySource:
+    """The TrajectorySource interface over a recording: step k's trajectories are step_k's, broadcast from
     rank 0 (advantages and filtering as recorded, not recomputed); prefetch/settle/push do nothing."""
 
-    def __init__(self, side, data, rank: int):
-        self.side, self.data, self.rank = side, data, rank
+    def __init__(self, backend, data, rank: int):
+        self.backend, self.data, self.rank = backend, data, rank
 
-    def take(self, step: int, to_ranks):
-        if self.rank == 0:
-            trajs, _ = load_step(self.side.dir, step)
-            vocab = self.side.manifest["vocab_size"]
-            if any(max(t.input_ids_T, default=-1) >= vocab for t in trajs):  # pragma: no cover
-                raise ValueError(f"{step_path(self.side.dir, step)}: a token id >= vocab_size {vocab}")
-        trajs = to_ranks(trajs if self.rank == 0 else None)
-        return trajs, {"rollout_source": "replay"}
+    def rollout_and_score(self, step: int):
+        """Rank 0: the trajectories recorded for `step` (rewards and advantages as recorded)."""
+        if self.rank != 0:
+            return None
+        trajs, _ = load_step(self.backend.dir, step)
+        vocab = self.backend.manifest["vocab_size"]
+        if any(max(t.input_ids_T, default=-1) >= vocab for t in trajs):  # pragma: no cover
+            raise ValueError(f"{step_path(self.backend.dir, step)}: a token id >= vocab_size {vocab}")
+        return trajs
+
+    def advantages(self, step: int, trajs, to_ranks):
+        """Rank 0's recorded trajectories handed to every rank (``to_ranks``: run/to_ranks.py); their
+        advantages are the recorded ones."""
+        return to_ranks(trajs), {"rollout_source": "replay"}
 
     def prefetch(self, next_step: int) -> None:
         pass

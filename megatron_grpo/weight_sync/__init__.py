@@ -3,9 +3,7 @@
 `push(weights, version, servers)` drives vLLM's native RL weight-transfer API on each
 `WeightReceiver` (one per server); `buckets` groups the stream; `gloo` (CPU) and `nccl` (GPU) are
 the transports, one per file; the vLLM side lives in `megatron_grpo.rollout.vllm_ext`. A multi-rank
-trainer brings its stream to rank 0 with `gather.export_to_rank0`; `direct` is the alternative under
-EP (each EP rank sends its own tensors point-to-point to a receiver), measured by `mgrpo bench sync
---ep N` and not yet wired into `push`.
+trainer brings its stream to rank 0 with `gather.export_to_rank0`.
 Protocol and failure semantics: docs/rollout.md.
 """
 from megatron_grpo.weight_sync.buckets import Bucket, default_bucket_bytes, iter_buckets

@@ -76,7 +76,7 @@ import torch.distributed as dist
 
 from megatron_grpo.weight_sync.buckets import ALIGN, default_bucket_bytes, unpack_bucket
 
-__all__ = ["export_to_rank0", "export_order", "build_schedule", "local_meta", "Schedule", "Piece"]
+__all__ = ["export_to_rank0", "build_schedule", "local_meta", "Schedule", "Piece"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -545,18 +545,3 @@ def export_to_rank0(model, *, bucket_bytes: int | None = None, stats: dict | Non
         yield from _rank0_side(plan.sched, plan.metas, own, device, st)
     else:
         _send_side(plan.sched, rank, plan.metas[rank]["yields"], own, device, st)
-
-
-def export_order(model, *, bucket_bytes: int | None = None, **export_kw) -> list[tuple[str, tuple, str]]:
-    """(name, shape, dtype name) of every tensor `export_to_rank0` yields on rank 0, in that order, on
-    every rank: the bucket metadata a push from rank 0 hands the receiver before the bytes. Collective
-    (every rank must call it, like `export_to_rank0`): it computes the plan of the next push with the
-    same `bucket_bytes` and `export_kw`, or reuses the cached one (so that push does not plan again)."""
-    from model_bridge.export import export_plan
-
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return [(n, tuple(int(x) for x in s), str(dt).removeprefix("torch."))
-                for n, s, dt in export_plan(model, **export_kw)]
-    device = _transfer_device(model)
-    plan = _cached_plan(model, bucket_bytes or default_bucket_bytes(device), device, export_kw)
-    return [tuple(plan.metas[r]["yields"][j][1:]) for r, j in plan.sched.order]

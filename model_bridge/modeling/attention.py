@@ -6,7 +6,8 @@ is a ``core_attention`` submodule with the same constructor and forward signatur
 
 * packed THD (``query [T, np, d]``, ``key/value [T, ng, d]`` and ``cu_seqlens``): on CUDA in
   bf16/fp16 one ``torch.nn.attention.varlen.varlen_attn`` call (flash varlen, native GQA); otherwise
-  (CPU, fp32) ``scaled_dot_product_attention`` per segment;
+  (CPU, fp32, or a shape the flash kernel refuses: :func:`flash_refusal`, e.g. a head size that is
+  not a multiple of 8) ``scaled_dot_product_attention`` per segment, with one logged line per reason;
 * plain SBHD (``[s, b, n, d]``): ``scaled_dot_product_attention`` on the batch.
 
 Causal (the thinker) or not (the audio tower's windows) follows the layer's ``attn_mask_type``.
@@ -19,15 +20,52 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import math
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["PackedCoreAttention", "packed_attention", "dense_attention", "packed_segments"]
+__all__ = ["PackedCoreAttention", "packed_attention", "dense_attention", "packed_segments", "flash_refusal",
+           "flash_refusal_for", "FLASH_MAX_HEAD_DIM"]
 
 _FLASH_DTYPES = (torch.bfloat16, torch.float16)
+FLASH_MAX_HEAD_DIM = 256
+"""Largest head size the flash varlen kernel takes (flash-attention 2's limit)."""
+log = logging.getLogger("model_bridge.attention")
+_NOTED: set[str] = set()
+
+
+def flash_refusal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> Optional[str]:
+    """Why ``varlen_attn`` (flash) cannot run these ``[T, n, d]`` tensors, or None when it can
+    (:func:`flash_refusal_for` of their device, dtype and head sizes)."""
+    return flash_refusal_for(query.device.type, query.dtype, query.shape[-1], key.shape[-1], value.shape[-1])
+
+
+def flash_refusal_for(device_type: str, dtype: torch.dtype, d_q: int, d_k: int, d_v: int) -> Optional[str]:
+    """The reason flash varlen cannot run on ``device_type`` in ``dtype`` with these head sizes, or
+    None. The reasons are the flash kernel's own checks (it raises ``head_size must be a multiple
+    of 8`` for an odd-size audio tower, head size 10), checked here so the caller takes SDPA."""
+    if device_type != "cuda":
+        return "not on CUDA"
+    if dtype not in _FLASH_DTYPES:
+        return f"dtype {dtype} (flash runs bfloat16/float16)"
+    if d_k != d_q or d_v != d_q:
+        return f"query/key/value head sizes differ ({d_q}/{d_k}/{d_v})"
+    if d_q % 8:
+        return f"head size {d_q} is not a multiple of 8"
+    if d_q > FLASH_MAX_HEAD_DIM:
+        return f"head size {d_q} exceeds {FLASH_MAX_HEAD_DIM}"
+    return None
+
+
+def note_sdpa_fallback(reason: str) -> None:
+    """One log line per distinct reason a flash-capable call (CUDA, bf16/fp16) took SDPA instead."""
+    if reason not in _NOTED:
+        _NOTED.add(reason)
+        log.warning("packed attention: flash varlen_attn cannot run this shape (%s); using SDPA per sample",
+                    reason)
 
 
 @functools.lru_cache(maxsize=None)
@@ -106,7 +144,8 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     """Attention within each packed sample: query [T, np, d], key/value [T, ng, d] -> [T, np, d].
 
     ``np`` must be a multiple of ``ng`` (GQA). Rows outside every sample are zero. ``backend``:
-    ``"auto"`` (flash varlen on CUDA in bf16/fp16, else per-segment SDPA), ``"varlen"`` or ``"sdpa"``.
+    ``"auto"`` (flash varlen where :func:`flash_refusal` has no objection, else per-segment SDPA),
+    ``"varlen"`` (a ValueError naming the reason where flash cannot run) or ``"sdpa"``.
     """
     T, nq, d = query.shape
     if key.shape[0] != T or value.shape[0] != T:
@@ -118,7 +157,13 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     if segs and segs[-1][0] + segs[-1][1] > T:
         raise ValueError(f"packed samples end at {segs[-1][0] + segs[-1][1]} but the buffer holds {T} tokens")
     if backend == "auto":
-        backend = "varlen" if query.is_cuda and query.dtype in _FLASH_DTYPES else "sdpa"
+        why = flash_refusal(query, key, value)
+        if why is not None and query.is_cuda and query.dtype in _FLASH_DTYPES:
+            note_sdpa_fallback(why)
+        backend = "sdpa" if why else "varlen"
+    elif backend == "varlen" and flash_refusal(query, key, value):
+        raise ValueError(f"packed_attention(backend='varlen'): {flash_refusal(query, key, value)}; "
+                         "use backend='auto' (SDPA where flash cannot run) or 'sdpa'")
 
     if backend == "varlen":
         # contiguous samples from 0 (trailing padding only): run in place; otherwise compact first

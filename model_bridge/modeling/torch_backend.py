@@ -56,7 +56,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-from .attention import PackedCoreAttention, packed_segments, varlen_kwargs
+from .attention import PackedCoreAttention, flash_refusal, note_sdpa_fallback, packed_segments, varlen_kwargs
 from .ep_dispatch import DedupExchange
 from .experts import TorchGroupedMLP, grouped_mm_available, with_offsets
 from .norm import residual_bda
@@ -151,12 +151,18 @@ def _varlen_run(q, k, v, plan: VarlenPlan, causal: bool, scale: float) -> torch.
 
 class TorchCoreAttention(PackedCoreAttention):
     """``PackedCoreAttention`` whose CUDA bf16/fp16 THD path reuses a per-micro-batch
-    :class:`VarlenPlan` (no host sync per layer). Everything else is the parent's."""
+    :class:`VarlenPlan` (no host sync per layer). Everything else is the parent's, including the
+    shapes flash refuses (``attention.flash_refusal``), which take the parent's SDPA path."""
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **unused):
         if (packed_seq_params is not None and packed_seq_params.qkv_format == "thd" and attention_bias is None
                 and query.is_cuda and query.dtype in _FLASH_DTYPES):
+            why = flash_refusal(query, key, value)
+            if why is not None:  # e.g. head size 10: the parent's per-sample SDPA (one logged line)
+                note_sdpa_fallback(why)
+                return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                       attention_bias=attention_bias, packed_seq_params=packed_seq_params, **unused)
             if query.dim() == 4:
                 query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
             plan = varlen_plan(packed_seq_params, query.shape[0], query.device)

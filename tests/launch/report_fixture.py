@@ -84,7 +84,7 @@ def record_run(root: Path, hf_dir, *, steps: int = 2, groups: int = 2, samples: 
     from megatron_grpo.metrics import MetricsLogger
     from megatron_grpo.rollout.rewards import compute_rewards, format_reward, make_iou_reward, run_sync
     from megatron_grpo.run.replay import Recorder
-    from megatron_grpo.run.rollout_side import with_advantages
+    from megatron_grpo.run.rollout_source import with_advantages
     from megatron_grpo.run.trajlog import TrajectoryLog
     from megatron_grpo.train import _step_metrics
 

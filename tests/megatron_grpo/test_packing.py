@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_grpo.packing import (PackingConfig, balance_samples, build_microbatch,
+from megatron_grpo.packing import (PackLimits, balance_samples, build_microbatch,
                                    build_rank_microbatches, empty_microbatch, equalize_microbatch_counts,
                                    first_fit_decreasing, next_token_targets, pack_per_token, pad_microbatches,
                                    plan_step, round_up, shift_within_samples)
@@ -40,18 +40,18 @@ def test_oversized_sample_is_an_error_naming_it_or_goes_alone():
     with pytest.raises(ValueError, match=r"sample 1 has 12 tokens, more than max_tokens_per_microbatch=10"):
         first_fit_decreasing([3, 12, 4], 10)
     assert first_fit_decreasing([3, 12, 4], 10, allow_oversized=True) == [[1], [2, 0]]
-    cfg = PackingConfig(max_tokens_per_microbatch=8, pad_multiple=4, allow_oversized=True)
+    cfg = PackLimits(max_tokens_per_microbatch=8, pad_multiple=4, allow_oversized=True)
     plan = plan_step([3, 13, 2], 1, cfg)
     assert plan.microbatches == (((1,), (0, 2)),) and plan.microbatch_tokens(0) == [16, 8]
     with pytest.raises(ValueError, match="sample 1 has 13 tokens"):
-        plan_step([3, 13, 2], 1, PackingConfig(max_tokens_per_microbatch=8))
+        plan_step([3, 13, 2], 1, PackLimits(max_tokens_per_microbatch=8))
 
 
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("dp_size", [1, 3, 8])
 def test_plan_invariants(seed, dp_size):
     lengths = skewed_lengths(seed, 150)
-    cfg = PackingConfig(max_tokens_per_microbatch=8192, pad_multiple=8)
+    cfg = PackLimits(max_tokens_per_microbatch=8192, pad_multiple=8)
     plan = plan_step(lengths, dp_size, cfg)
     ids = [i for rank in plan.microbatches for mb in rank for i in mb]
     assert sorted(ids) == list(range(len(lengths)))  # every sample exactly once
@@ -72,34 +72,34 @@ def test_balance_on_skewed_lengths():
             toks = [sum(lengths[i] for i in ids) for ids in per_rank]
             mean = sum(toks) / dp
             assert max(toks) - mean < max(lengths)  # LPT bound
-            plan = plan_step(lengths, dp, PackingConfig(max_tokens_per_microbatch=16384))
+            plan = plan_step(lengths, dp, PackLimits(max_tokens_per_microbatch=16384))
             assert plan.balance <= 1.02, (seed, dp, plan.balance)
 
 
 def test_ranks_without_samples_get_padding_microbatches():
-    plan = plan_step([5, 3], 4, PackingConfig(max_tokens_per_microbatch=4, allow_oversized=True))
+    plan = plan_step([5, 3], 4, PackLimits(max_tokens_per_microbatch=4, allow_oversized=True))
     assert plan.num_microbatches == 1 and sum(1 for r in plan.microbatches for mb in r if not mb) == 2
-    empty = plan_step([], 3, PackingConfig(max_tokens_per_microbatch=4))
+    empty = plan_step([], 3, PackLimits(max_tokens_per_microbatch=4))
     assert empty.num_microbatches == 0 and empty.balance == 1.0 and empty.padding_fraction == 0.0
 
 
 def test_config_and_length_checks():
     with pytest.raises(ValueError, match="multiple of pad_multiple=8"):
-        PackingConfig(max_tokens_per_microbatch=100, pad_multiple=8)
+        PackLimits(max_tokens_per_microbatch=100, pad_multiple=8)
     for kw in (dict(max_tokens_per_microbatch=0), dict(max_tokens_per_microbatch=8, pad_multiple=0),
                dict(max_tokens_per_microbatch=8, pad_token_id=-1)):
         with pytest.raises(ValueError):
-            PackingConfig(**kw)
+            PackLimits(**kw)
     with pytest.raises(ValueError, match="sample 1 has length 0"):
-        plan_step([4, 0], 1, PackingConfig(max_tokens_per_microbatch=8))
+        plan_step([4, 0], 1, PackLimits(max_tokens_per_microbatch=8))
     with pytest.raises(ValueError, match="dp_size"):
-        plan_step([4], 0, PackingConfig(max_tokens_per_microbatch=8))
+        plan_step([4], 0, PackLimits(max_tokens_per_microbatch=8))
 
 
 # ---------------------------------------------------------------- THD metadata
 
 def test_microbatch_by_hand():
-    cfg = PackingConfig(max_tokens_per_microbatch=16, pad_multiple=4, pad_token_id=99)
+    cfg = PackLimits(max_tokens_per_microbatch=16, pad_multiple=4, pad_token_id=99)
     ids = {3: [10, 11, 12], 7: [20, 21]}
     masks = {3: [0, 1, 1], 7: [1, 0]}
     mb = build_microbatch([7, 3], ids, masks, cfg)
@@ -110,7 +110,7 @@ def test_microbatch_by_hand():
     assert mb.position_ids_3T.tolist() == [[0, 1, 0, 1, 2, 0, 1, 2]] * 3
     assert mb.max_seqlen == 3 and mb.sample_ids == (7, 3)
     assert (mb.num_tokens, mb.num_real_tokens, mb.num_padding_tokens) == (8, 5, 3) and not mb.is_padding
-    exact = build_microbatch([7, 3], ids, masks, PackingConfig(max_tokens_per_microbatch=8))
+    exact = build_microbatch([7, 3], ids, masks, PackLimits(max_tokens_per_microbatch=8))
     assert exact.cu_seqlens_S.tolist() == [0, 2, 5] and exact.num_padding_tokens == 0  # no empty segment
 
 
@@ -118,7 +118,7 @@ def test_microbatch_by_hand():
 def test_built_microbatches_are_consistent(pad_multiple):
     lengths = skewed_lengths(5, 60)
     ids, masks = fake_samples(lengths)
-    cfg = PackingConfig(max_tokens_per_microbatch=round_up(9000, pad_multiple), pad_multiple=pad_multiple)
+    cfg = PackLimits(max_tokens_per_microbatch=round_up(9000, pad_multiple), pad_multiple=pad_multiple)
     plan = plan_step(lengths, 2, cfg)
     seen = []
     for rank in range(2):
@@ -142,7 +142,7 @@ def test_positions_match_the_models_mrope_helper():
     from model_bridge.modeling.mrope import mrope_position_ids
 
     ids, masks = fake_samples([5, 9, 2], seed=1)
-    mb = build_microbatch([1, 0, 2], ids, masks, PackingConfig(max_tokens_per_microbatch=24, pad_multiple=8))
+    mb = build_microbatch([1, 0, 2], ids, masks, PackLimits(max_tokens_per_microbatch=24, pad_multiple=8))
     spec = SimpleNamespace(image_token_id=-1, video_token_id=-2)
     real_cu = mb.cu_seqlens_S[: mb.num_samples + 1]
     assert torch.equal(mrope_position_ids(mb.input_ids_T, spec, real_cu), mb.position_ids_3T)
@@ -150,7 +150,7 @@ def test_positions_match_the_models_mrope_helper():
 
 
 def test_empty_microbatch_and_padding_to_a_count():
-    cfg = PackingConfig(max_tokens_per_microbatch=16, pad_multiple=4)
+    cfg = PackLimits(max_tokens_per_microbatch=16, pad_multiple=4)
     e = empty_microbatch(cfg)
     assert e.is_padding and e.num_tokens == 4 and e.cu_seqlens_S.tolist() == [0, 4] and e.max_seqlen == 4
     assert not e.loss_mask_T.any() and e.sample_index_T.tolist() == [-1] * 4
@@ -162,7 +162,7 @@ def test_empty_microbatch_and_padding_to_a_count():
 
 
 def test_microbatch_rejects_inconsistent_metadata():
-    cfg = PackingConfig(max_tokens_per_microbatch=8, pad_multiple=4)
+    cfg = PackLimits(max_tokens_per_microbatch=8, pad_multiple=4)
     ids, masks = fake_samples([3, 2])
     mb = build_microbatch([0, 1], ids, masks, cfg)
     from dataclasses import replace
@@ -183,7 +183,7 @@ def test_microbatch_rejects_inconsistent_metadata():
 
 
 def test_per_token_fields_and_next_token_targets():
-    cfg = PackingConfig(max_tokens_per_microbatch=8, pad_multiple=4)
+    cfg = PackLimits(max_tokens_per_microbatch=8, pad_multiple=4)
     ids = [torch.tensor([10, 11, 12]), torch.tensor([20, 21])]
     masks = [torch.tensor([0, 1, 1]), torch.tensor([1, 1])]
     mb = build_microbatch([1, 0], ids, masks, cfg)
@@ -209,7 +209,7 @@ def _rank_packs_its_own_samples(lengths_by_rank, budget):
     dist.init_process_group("gloo")
     try:
         rank = int(os.environ["RANK"])
-        cfg = PackingConfig(max_tokens_per_microbatch=budget, pad_multiple=2)
+        cfg = PackLimits(max_tokens_per_microbatch=budget, pad_multiple=2)
         lengths = lengths_by_rank[rank]
         plan = plan_step(lengths, 1, cfg)
         ids, masks = fake_samples(lengths, seed=rank)

@@ -14,7 +14,7 @@ import torch
 
 from megatron_grpo.config import ModelConfig, ServeConfig, TrainConfig, serve_dtype, train_dtype
 from megatron_grpo.rollout.server import build_command
-from megatron_grpo.run.rollout_side import local_server_spec
+from megatron_grpo.run.rollout_source import local_server_spec
 
 SR = 16000
 LOGPROB_ATOL = 1e-4  # fp32 on both sides (measured ~5e-6); bfloat16 on the server gives ~1e-1

@@ -46,8 +46,8 @@ def _train_one_step_and_save(hf_dir: str, run_dir: str) -> dict:
     from megatron_grpo.engine.batch import build_train_microbatches
     from megatron_grpo.engine.checkpoint import save_checkpoint
     from megatron_grpo.engine.setup import OptimConfig, build_engine
-    from megatron_grpo.engine.step import NonFiniteGuard, StepConfig, train_step
-    from megatron_grpo.packing import PackingConfig, plan_step
+    from megatron_grpo.engine.step import NonFiniteSkips, StepConfig, train_step
+    from megatron_grpo.packing import PackLimits, plan_step
     from model_bridge.config import ParallelLayout
     from model_bridge.export import export_hf
     from model_bridge.parallel import destroy_parallel, init_parallel
@@ -62,10 +62,10 @@ def _train_one_step_and_save(hf_dir: str, run_dir: str) -> dict:
     torch.manual_seed(7)
     data = _Data()
     trajs = data.next_batch()
-    pack = PackingConfig(max_tokens_per_microbatch=64, pad_multiple=2)
+    pack = PackLimits(max_tokens_per_microbatch=64, pad_multiple=2)
     plan = plan_step([t.num_tokens for t in trajs], ps.get_data_parallel_world_size(), pack)
     mbs = build_train_microbatches(trajs, plan, ps.get_data_parallel_rank(), pack)
-    m = train_step(engine, mbs, StepConfig(loss=LossConfig(variant="grpo")), guard=NonFiniteGuard(3), step=1)
+    m = train_step(engine, mbs, StepConfig(loss=LossConfig(variant="grpo")), skips=NonFiniteSkips(3), step=1)
     exported = {k: v.detach().clone() for k, v in export_hf(engine.model, engine.spec)}
     save_checkpoint(run_dir, 1, engine.model, engine.optimizer, engine.scheduler, {"data": data.state_dict()})
     rank = dist.get_rank()

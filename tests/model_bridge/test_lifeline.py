@@ -90,13 +90,13 @@ def test_children_and_process_groups_die_with_a_sigkilled_parent():
 def test_a_rollout_failure_is_one_line_on_every_rank_with_the_trace_in_the_run_dir(tmp_path):
     from megatron_grpo.rollout.client import RolloutServerError
     from megatron_grpo.run.failures import ERROR_LOG, RolloutFailed
-    from megatron_grpo.run.rollout_side import RolloutFeed
+    from megatron_grpo.run.rollout_source import TrajectorySource
 
     class Rows:
         def next_batch(self):
             return ["row"]
 
-    class FailingSide:
+    class FailingBackend:
         def rollout(self, rows, group_ids):
             raise RolloutServerError("prompt 0 has 15985 tokens, no room to generate within 4096 "
                                      "(rollout.max_total_tokens / the server's max_model_len)", retryable=False)
@@ -107,9 +107,9 @@ def test_a_rollout_failure_is_one_line_on_every_rank_with_the_trace_in_the_run_d
         sent.append(obj)
         return obj
 
-    feed = RolloutFeed(FailingSide(), Rows(), overlap=False, rank=0, run_dir=tmp_path)
+    src = TrajectorySource(FailingBackend(), Rows(), overlap=False, rank=0, run_dir=tmp_path)
     with pytest.raises(RolloutFailed) as e:
-        feed.take(1, broadcast)
+        src.advantages(1, src.rollout_and_score(1), broadcast)
     line = (f"RolloutServerError: prompt 0 has 15985 tokens, no room to generate within 4096 "
             f"(rollout.max_total_tokens / the server's max_model_len) (full trace in {tmp_path / ERROR_LOG})")
     assert str(e.value) == line and "\n" not in line
@@ -117,9 +117,9 @@ def test_a_rollout_failure_is_one_line_on_every_rank_with_the_trace_in_the_run_d
     trace = (tmp_path / ERROR_LOG).read_text()
     assert trace.startswith("Traceback") and "in rollout" in trace and "15985 tokens" in trace
     # another rank receives the same failure through the broadcast and raises it
-    feed1 = RolloutFeed(None, Rows(), overlap=False, rank=1, run_dir=tmp_path)
+    src1 = TrajectorySource(None, Rows(), overlap=False, rank=1, run_dir=tmp_path)
     with pytest.raises(RolloutFailed, match="^RolloutServerError: prompt 0 has 15985"):
-        feed1.take(1, lambda obj: sent[0])
+        src1.advantages(1, src1.rollout_and_score(1), lambda obj: sent[0])
 
 
 def _guards_of(parent_pid: int, pgid: int) -> list[int]:

@@ -64,6 +64,12 @@ def test_values_in_rank_order_with_env():
     assert len({o["pid"] for o in out}) == 3 and os.getpid() not in {o["pid"] for o in out}
 
 
+def test_no_timeout_and_thread_count_from_env():
+    """What `mgrpo train` spawns its ranks with: no time limit, its own OMP_NUM_THREADS."""
+    out = run_ranks(_whoami, 2, 1, timeout=None, env={"OMP_NUM_THREADS": "3"})
+    assert [o["rank"] for o in out] == [0, 1] and {o["omp"] for o in out} == {"3"}
+
+
 def test_env_rendezvous_works_for_gloo():
     assert run_ranks(_gloo_allreduce, 2) == [3.0, 3.0]
 

@@ -88,34 +88,34 @@ def _train_steps(hf_dir: str, run_dir: str, last_step: int, *, save_at: tuple = 
     from megatron_grpo.algo.losses import LossConfig
     from megatron_grpo.engine.batch import build_train_microbatches
     from megatron_grpo.engine.checkpoint import load_checkpoint, save_checkpoint
-    from megatron_grpo.engine.step import NonFiniteGuard, StepConfig, train_step
-    from megatron_grpo.packing import PackingConfig, plan_step
+    from megatron_grpo.engine.step import NonFiniteSkips, StepConfig, train_step
+    from megatron_grpo.packing import PackLimits, plan_step
     from model_bridge.config import ParallelLayout
 
     random.seed(99)
     np.random.seed(99)
     optim, build_engine = _engine()
     engine = build_engine(hf_dir, ParallelLayout(), optim, dtype=torch.float32)
-    data, guard = _Data(), NonFiniteGuard(3)
+    data, skips = _Data(), NonFiniteSkips(3)
     cfg = StepConfig(loss=LossConfig(variant="grpo", entropy_coef=0.01), logprob_chunk_size=64)
-    pack = PackingConfig(max_tokens_per_microbatch=64)
+    pack = PackLimits(max_tokens_per_microbatch=64)
     out = {"losses": {}, "lrs": {}, "grad_norms": {}, "resumed_at": None}
     start = 1
     if resume:
         step, extra = load_checkpoint(run_dir, engine.model, engine.optimizer, engine.scheduler)
         data.load_state_dict(extra["data"])
-        guard.load_state_dict(extra["guard"])
+        skips.load_state_dict(extra["skips"])
         out["resumed_at"], out["extra"], start = step, extra, step + 1
         out["params_loaded"] = {n: p.detach().clone() for n, p in engine.modules[0].named_parameters()}
     for step in range(start, last_step + 1):
         trajs = data.next_batch()
         plan = plan_step([t.num_tokens for t in trajs], ps.get_data_parallel_world_size(), pack)
         mbs = build_train_microbatches(trajs, plan, ps.get_data_parallel_rank(), pack)
-        m = train_step(engine, mbs, cfg, guard=guard, step=step)
+        m = train_step(engine, mbs, cfg, skips=skips, step=step)
         out["losses"][step], out["lrs"][step], out["grad_norms"][step] = m["loss"], m["lr"], m["grad_norm"]
         if step in save_at:
             save_checkpoint(run_dir, step, engine.model, engine.optimizer, engine.scheduler,
-                            {"data": data.state_dict(), "guard": guard.state_dict()}, keep_last=2)
+                            {"data": data.state_dict(), "skips": skips.state_dict()}, keep_last=2)
             out["params_saved"] = {n: p.detach().clone() for n, p in engine.modules[0].named_parameters()}
     out["params"] = {n: p.detach().clone() for n, p in engine.modules[0].named_parameters()}
     out["data_position"] = data.position

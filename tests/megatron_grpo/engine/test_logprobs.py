@@ -79,13 +79,13 @@ def test_rows_subset_and_bf16_inputs():
 
 
 def test_token_alignment_on_packed_microbatch():
-    from megatron_grpo.packing import PackingConfig, build_microbatch
+    from megatron_grpo.packing import PackLimits, build_microbatch
 
     g = torch.Generator().manual_seed(4)
     V, Vp = 60, 64
     ids = [torch.randint(0, V, (n,), generator=g) for n in (7, 5, 9)]
     masks = [torch.tensor([0, 0, 1, 1, 0, 1, 1]), torch.tensor([0, 1, 1, 1, 1]), torch.tensor([0] * 4 + [1] * 5)]
-    mb = build_microbatch([2, 0, 1], ids, masks, PackingConfig(max_tokens_per_microbatch=24, pad_multiple=8))
+    mb = build_microbatch([2, 0, 1], ids, masks, PackLimits(max_tokens_per_microbatch=24, pad_multiple=8))
     T = mb.num_tokens  # 21 real + 3 padding
     logits = _logits(T, Vp, V, seed=5, pad_value=-1.0e4)
     lp_T, ent_T = token_logprobs(logits, mb.input_ids_T, mb.cu_seqlens_S, vocab_size=V, chunk_size=4,

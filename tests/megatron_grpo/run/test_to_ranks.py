@@ -79,7 +79,7 @@ def _run(hf_dir: str, tp: int, ep: int) -> dict:
     from megatron_grpo.engine.batch import build_train_microbatches, featurizer_from_extractor
     from megatron_grpo.engine.setup import OptimConfig, build_engine
     from megatron_grpo.engine.step import StepConfig, forward_backward
-    from megatron_grpo.packing import PackingConfig, plan_step
+    from megatron_grpo.packing import PackLimits, plan_step
     from megatron_grpo.run.to_ranks import Elsewhere, deliver, dp_ranks_of_all, rank_sample_ids
     from megatron_grpo.train import _broadcast
     from model_bridge.config import ParallelLayout
@@ -90,7 +90,7 @@ def _run(hf_dir: str, tp: int, ep: int) -> dict:
     engine = build_engine(hf_dir, ParallelLayout(tp=tp, ep=ep), OptimConfig(lr=1e-3), dtype=torch.float32,
                           moe_aux_loss_coeff=0.0)
     rank, dp_rank, dp_size = dist.get_rank(), ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-    packing = PackingConfig(max_tokens_per_microbatch=BUDGET, pad_multiple=tp)
+    packing = PackLimits(max_tokens_per_microbatch=BUDGET, pad_multiple=tp)
     step_cfg = StepConfig(loss=LossConfig(variant="grpo", kl_coef=0.0, entropy_coef=0.01),
                           importance=ISConfig(mode="tis", level="token", tis_cap=2.0), logprob_chunk_size=64)
     featurize = featurizer_from_extractor(WhisperFeatureExtractor.from_pretrained(hf_dir))

@@ -95,7 +95,7 @@ def test_dense_sbhd_matches_eager():
     torch.testing.assert_close(out[:, 1].double(), _eager(q[:, 1], k[:-2, 1], v[:-2, 1], False), atol=1e-5, rtol=1e-5)
 
 
-def _module(causal: bool, nq=4, nk=2, d=8):
+def _module(causal: bool, nq=4, nk=2, d=8, cls=None):
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -103,8 +103,8 @@ def _module(causal: bool, nq=4, nk=2, d=8):
                             kv_channels=d, use_cpu_initialization=True, attention_dropout=0.0)
     pg = SimpleNamespace(tp=SimpleNamespace(size=lambda: 1))
     mask_type = AttnMaskType.causal if causal else AttnMaskType.no_mask
-    return PackedCoreAttention(cfg, layer_number=1, attn_mask_type=mask_type, attention_type="self",
-                               pg_collection=pg)
+    return (cls or PackedCoreAttention)(cfg, layer_number=1, attn_mask_type=mask_type, attention_type="self",
+                                        pg_collection=pg)
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -145,3 +145,56 @@ def test_varlen_cuda_matches_sdpa(causal):
     ref = packed_attention(q.float(), k.float(), v.float(), cu, causal=causal, cu_seqlens_padded=cu_pad,
                            backend="sdpa")
     assert (fast.float() - ref).abs().max().item() < 2e-2
+
+
+@pytest.mark.parametrize("args,reason", [
+    (("cuda", torch.bfloat16, 128, 128, 128), None),
+    (("cuda", torch.float16, 64, 64, 64), None),
+    (("cuda", torch.bfloat16, 10, 10, 10), "head size 10 is not a multiple of 8"),
+    (("cuda", torch.bfloat16, 320, 320, 320), "head size 320 exceeds 256"),
+    (("cuda", torch.bfloat16, 64, 64, 32), "query/key/value head sizes differ (64/64/32)"),
+    (("cuda", torch.float32, 128, 128, 128), "dtype torch.float32 (flash runs bfloat16/float16)"),
+    (("cpu", torch.bfloat16, 128, 128, 128), "not on CUDA"),
+])
+def test_flash_refusal_reasons(args, reason):
+    from model_bridge.modeling.attention import flash_refusal_for
+
+    assert flash_refusal_for(*args) == reason
+
+
+def test_varlen_backend_refuses_with_the_reason():
+    q, k, v = _qkv(6, 2, 2, 10)
+    with pytest.raises(ValueError, match=r"backend='varlen'\): not on CUDA; use backend='auto'"):
+        packed_attention(q, k, v, [0, 6], backend="varlen")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("causal", [True, False])
+def test_odd_head_size_falls_back_to_sdpa_on_cuda(causal, caplog):
+    """Head size 10 (an audio tower of d_model 40 with 4 heads): flash refuses it, so the bf16 CUDA
+    path runs SDPA per sample (one logged line), for the plain function and for the torch backend's
+    core attention module, forward and backward, matching the fp64 reference."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from model_bridge.modeling.torch_backend import TorchCoreAttention
+
+    lens = [7, 30, 3]
+    T = sum(lens) + 2
+    q, k, v = (x.cuda().bfloat16().requires_grad_() for x in _qkv(T, 4, 4, 10, seed=5))
+    cu = torch.tensor([0, 7, 37, 40], dtype=torch.int32)
+    with caplog.at_level("WARNING", logger="model_bridge.attention"):
+        out = packed_attention(q, k, v, cu, causal=causal)
+    out.float().square().sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+    s = 0
+    for n in lens:
+        ref = _eager(q[s:s + n].detach().cpu(), k[s:s + n].detach().cpu(), v[s:s + n].detach().cpu(), causal)
+        assert (out[s:s + n].detach().cpu().double() - ref).abs().max().item() < 2e-2
+        s += n
+    assert torch.equal(out[-2:], torch.zeros_like(out[-2:]))
+    mod = _module(causal, nq=4, nk=4, d=10, cls=TorchCoreAttention)
+    psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu.cuda(), cu_seqlens_kv=cu.cuda(), max_seqlen_q=30,
+                          max_seqlen_kv=30)
+    out2 = mod(q, k, v, None, packed_seq_params=psp)
+    assert torch.equal(out2.view_as(out), out)

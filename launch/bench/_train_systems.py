@@ -1,0 +1,233 @@
+"""The timed systems of :mod:`launch.bench.train`, all on one engine (the same weights, DDP buffers
+and optimizer) and the same trajectories; each is one "step" over the step's micro-batches:
+
+* ``train``: the training phase exactly as ``mgrpo train`` runs it (``train.py``'s step 3-4):
+  ``plan_step`` -> ``build_train_microbatches`` (featurising every clip with the trainer's
+  featurizer) -> ``check_schedule`` -> ``train_step``; timed with a sync at its end only;
+* ``train_split``: the same calls with syncs between them, so each part has its time:
+  featurise (inside the build), pack (the build minus featurise, plus ``plan_step`` and the
+  schedule check), ``forward_backward``, ``optimizer_update`` (the zeroing of the grads in front
+  goes to ``zero_grad``);
+* ``stack``: the layer stack alone on the same micro-batches (already on the device): the token
+  embedding, the decoder layers, the final norm, loss ``sum(hidden * R)`` (``bench layers``' ours);
+* ``stack_lm``: the same plus the fused LM-head logprob (``token_logprobs(..., lm_head_weight=)``,
+  the trainer's) with loss = minus the mean logprob over the loss tokens;
+* ``audio``: the audio tower alone, fwd+bwd of each micro-batch's clips (``sum(out * R)``);
+* ``h2d``: every micro-batch copied to the device (``TrainMicroBatch.to``, as the forward step does).
+
+The gradients of ``stack``/``stack_lm``/``audio`` go into the same DDP buffers and are zeroed after
+each of their steps (no optimizer step).
+"""
+from __future__ import annotations
+
+import time
+from functools import partial
+
+__all__ = ["TrainBench"]
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class TrainBench:
+    """One engine, one list of trajectories, the systems above as methods returning their times (s)."""
+
+    def __init__(self, engine, trajectories, packing, step_cfg, featurize, device):
+        import torch
+
+        from megatron_grpo.engine.setup import unwrapped
+        from megatron_grpo.packing import plan_step
+
+        self.engine, self.trajs, self.packing, self.cfg, self.featurize = engine, trajectories, packing, step_cfg, featurize
+        self.device = device
+        self.thinker = unwrapped(engine.model[0])
+        self.step_no = 0
+        self.lengths = [t.num_tokens for t in trajectories]
+        plan = plan_step(self.lengths, 1, packing)
+        self.host_mbs = self._build(plan, [0.0])
+        self.dev_mbs = [m.to(device) for m in self.host_mbs]
+        dtype = next(self.thinker.parameters()).dtype
+        g = torch.Generator(device="cpu").manual_seed(0)
+        h = self.thinker.spec.text.hidden_size
+        self.probes = [torch.randn(m.num_tokens, 1, h, generator=g).to(device, dtype) for m in self.host_mbs]
+        self.audio_probes = []
+        for m in self.host_mbs:
+            n = m.count_tokens(self.thinker.spec.audio_token_id)
+            self.audio_probes.append(torch.randn(n, h, generator=g).to(device, dtype) if m.has_audio else None)
+        self.real_tokens = sum(m.mb.num_real_tokens for m in self.host_mbs)
+        self.total_tokens = sum(m.num_tokens for m in self.host_mbs)
+        self.num_clips = sum(m.num_clips for m in self.host_mbs)
+
+    # ---- the training phase -------------------------------------------------------------------
+
+    def _build(self, plan, feat_s: list):
+        from megatron_grpo.engine.batch import build_train_microbatches
+
+        def timed(waves):
+            t = time.perf_counter()
+            out = self.featurize(waves)
+            if out[0].device.type == "cuda":  # device features: their kernels are part of featurising
+                _sync(out[0].device)
+            feat_s[0] += time.perf_counter() - t
+            return out
+
+        return build_train_microbatches(self.trajs, plan, 0, self.packing, featurize=timed,
+                                        n_window=self.engine.spec.audio.n_window)
+
+    def train(self) -> dict:
+        """``mgrpo train``'s step 3-4 as it runs (one sync, at the end)."""
+        from megatron_grpo.engine.step import train_step
+        from megatron_grpo.guard import StepSchedule, check_schedule
+        from megatron_grpo.packing import plan_step
+
+        self.step_no += 1
+        _sync(self.device)
+        t0 = time.perf_counter()
+        plan = plan_step(self.lengths, 1, self.packing)
+        mbs = self._build(plan, [0.0])
+        check_schedule(StepSchedule.from_microbatches(self.step_no, mbs))
+        self.last_metrics = m = train_step(self.engine, mbs, self.cfg, step=self.step_no)
+        _sync(self.device)
+        return {"phase_s": time.perf_counter() - t0, "grad_norm": m["grad_norm"], "loss": m["loss"],
+                "skipped": m["skipped"]}
+
+    def train_split(self) -> dict:
+        """The same calls as :meth:`train` (``train_step``'s body inlined) with a sync between parts."""
+        from megatron_grpo.engine.step import forward_backward, optimizer_update
+        from megatron_grpo.guard import StepSchedule, check_schedule
+        from megatron_grpo.packing import plan_step
+
+        self.step_no += 1
+        feat = [0.0]
+        _sync(self.device)
+        t0 = time.perf_counter()
+        plan = plan_step(self.lengths, 1, self.packing)
+        mbs = self._build(plan, feat)
+        check_schedule(StepSchedule.from_microbatches(self.step_no, mbs))
+        _sync(self.device)
+        t1 = time.perf_counter()
+        for m in self.engine.model:
+            m.zero_grad_buffer()
+        self.engine.optimizer.zero_grad()
+        _sync(self.device)
+        t2 = time.perf_counter()
+        fb = forward_backward(self.engine, mbs, self.cfg)
+        _sync(self.device)
+        t3 = time.perf_counter()
+        up = optimizer_update(self.engine, None, self.step_no)
+        _sync(self.device)
+        t4 = time.perf_counter()
+        return {"phase_s": t4 - t0, "featurise_s": feat[0], "pack_s": t1 - t0 - feat[0], "zero_grad_s": t2 - t1,
+                "forward_backward_s": t3 - t2, "optimizer_s": t4 - t3, "grad_norm": up["grad_norm"],
+                "loss": fb["loss"], "skipped": up["skipped"]}
+
+    # ---- the side systems -----------------------------------------------------------------------
+
+    def _hidden(self, t, host):
+        """Final-normed hidden states ``[T, 1, h]`` of the layer stack on micro-batch ``t``: the token
+        embedding (audio rows as plain tokens), the decoder, the final norm (the thinker's own
+        modules, as ``OmniThinker.forward(return_hidden=True)`` runs them without the audio tower)."""
+        thinker = self.thinker
+        lm = thinker.language_model
+        ids = t.input_ids_T.unsqueeze(0)
+        psp = host.packed_seq_params(self.device, defer_copy=True)
+        emb = lm.embedding(input_ids=ids, position_ids=None)
+        lm.post_process = False
+        try:
+            out = lm(ids, t.position_ids(), None, decoder_input=emb, packed_seq_params=psp)
+        finally:
+            lm.post_process = True
+        return thinker.lm_head_input(out)
+
+    def _zero(self) -> None:
+        for m in self.engine.model:
+            m.zero_grad_buffer()
+
+    def stack(self, with_lm: bool = False) -> dict:
+        import torch
+
+        from megatron_grpo.engine.logprobs import token_logprobs
+
+        _sync(self.device)
+        t0 = time.perf_counter()
+        for host, t, probe in zip(self.host_mbs, self.dev_mbs, self.probes):
+            hidden = self._hidden(t, host)
+            if with_lm:
+                mask = t.loss_mask_T.to(torch.bool)
+                lp, _ = token_logprobs(hidden, t.input_ids_T, t.cu_seqlens_S, vocab_size=self.engine.spec.text.vocab_size,
+                                       token_mask_T=mask, chunk_size=self.cfg.logprob_chunk_size,
+                                       with_entropy=self.cfg.with_entropy,
+                                       lm_head_weight=self.thinker.lm_head_weight())
+                loss = -(lp * mask).sum() / mask.sum().clamp_min(1)
+            else:
+                loss = (hidden * probe).sum(dtype=torch.float32)
+            loss.backward()
+        _sync(self.device)
+        s = time.perf_counter() - t0
+        self._zero()
+        return {"step_s": s}
+
+    def audio(self) -> dict:
+        import torch
+
+        _sync(self.device)
+        t0 = time.perf_counter()
+        for host, t, probe in zip(self.host_mbs, self.dev_mbs, self.audio_probes):
+            if probe is None:
+                continue
+            out = self.thinker.audio_tower(t.audio_features, host.audio_feature_lens)
+            (out * probe).sum(dtype=torch.float32).backward()
+        _sync(self.device)
+        s = time.perf_counter() - t0
+        self._zero()
+        return {"step_s": s}
+
+    def h2d(self) -> dict:
+        _sync(self.device)
+        t0 = time.perf_counter()
+        moved = [m.to(self.device, non_blocking=True) for m in self.host_mbs]
+        _sync(self.device)
+        s = time.perf_counter() - t0
+        del moved
+        return {"step_s": s}
+
+    def systems(self, names) -> dict:
+        """name -> callable returning that system's times of one step."""
+        table = {"train": self.train, "train_split": self.train_split, "stack": self.stack,
+                 "stack_lm": partial(self.stack, True), "audio": self.audio, "h2d": self.h2d}
+        unknown = [n for n in names if n not in table]
+        if unknown:
+            raise ValueError(f"unknown systems {unknown}; choose from {sorted(table)}")
+        return {n: table[n] for n in names}
+
+
+def optimizer_bound(engine, device) -> dict:
+    """The optimizer step's memory-bandwidth bound: the fewest bytes one Adam step with fp32 master
+    weights must move per parameter (read the fp32 grad 4, read+write the fp32 master 8, read+write
+    both fp32 moments 16, write the bf16 weight 2 = 30 B; fp32 weights: 28 B) over the device's
+    copy bandwidth measured here (a 1 GiB device-to-device copy; bytes read + written)."""
+    import statistics
+
+    import torch
+
+    n = sum(p.numel() for m in engine.model for p in m.parameters())
+    bf16 = next(engine.model[0].parameters()).dtype != torch.float32
+    per = 30 if bf16 else 28
+    nbytes = 2**30 if device.type == "cuda" else 2**26
+    x = torch.empty(nbytes // 4, dtype=torch.float32, device=device).normal_()
+    y = torch.empty_like(x)
+    times = []
+    for _ in range(7):
+        _sync(device)
+        t0 = time.perf_counter()
+        y.copy_(x)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    bw = 2 * nbytes / statistics.median(times[2:])
+    del x, y
+    return {"params": n, "bytes_per_param": per, "bytes": n * per, "copy_bandwidth_B_s": bw,
+            "bound_s": n * per / bw}

@@ -1,0 +1,282 @@
+"""``mgrpo bench train``: the training phase of ``mgrpo train`` on one device, where its time goes.
+
+One process, one device (``init_parallel`` with TP = EP = PP = DP = 1), the trainer's own engine
+(``build_engine``: megatron DDP, the distributed optimizer, bf16 with fp32 master weights on GPU)
+on a generated checkpoint: Qwen3-Omni-30B-A3B's thinker at full width with ``--layers`` decoder
+layers and ``--audio-layers`` full-width audio-tower layers, random weights (``bench convert``'s
+generator); ``--tiny``: the tiny preset (a CPU run in seconds). Inputs: ``--samples`` synthetic
+multi-turn audio-agent trajectories (``_train_data``: 10 s - 5 min recordings, 1-3 ``crop_audio``
+turns with 5-30 s clips, real 16 kHz waveforms), packed with ``--mb-tokens`` (default 4,096, the
+trainer's default budget). Default ``StepConfig`` (fused LM-head logprob, GRPO loss, on-policy),
+default ``OptimConfig`` (Adam, clip_grad 1.0), the trainer's featurizer (on the GPU:
+``data/device_features.py``; ``--host-features`` for the host extractor) and the trainer's CUDA
+graphs for the micro-batches' decoder stacks (``engine/graphs.py``; ``--no-cuda-graphs``: eager).
+The side systems below run eagerly.
+
+Systems (``_train_systems``), run in turns, round by round (``--warmup`` untimed rounds, then
+``--iters`` timed ones; medians reported), all on the same engine and micro-batches:
+``train`` (the phase as ``mgrpo train`` runs it: plan -> build micro-batches with features ->
+schedule check -> ``train_step``), ``train_split`` (the same with a sync between the parts),
+``stack`` (layer stack alone: embedding, decoder, final norm), ``stack_lm`` (layer stack + fused
+LM-head logprob), ``audio`` (the audio tower alone), ``h2d`` (the micro-batches' copy to the device).
+
+Report (``bench_train.json``, ``bench_train.png``, a table): tokens/s (real tokens over the
+phase's time) of ``train``, ``stack``, ``stack_lm``; ``train / stack_lm`` (target >= 0.8); the
+phase's shares from ``train_split``: featurise, pack, H2D (measured apart; it happens inside the
+forward/backward), forward/backward by part (audio tower = ``audio``, decoder layers = ``stack``,
+LM head = ``stack_lm - stack``, rest = ``forward_backward - audio - stack_lm``: the loss, IS weights,
+megatron's schedule and the host gaps between micro-batches), optimizer, other (zeroing, syncs);
+the optimizer step against its memory-bandwidth bound (``_train_systems.optimizer_bound``);
+featurise + pack + H2D against the 5% target; the budget ``packing.max_tokens_per_microbatch: auto``
+would pick on this engine (``auto_budget``, next to the measured ``peak_mem_gib``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from launch.bench._cli import bench_main, pyplot
+
+__all__ = ["run_bench", "add_parser", "TARGET_VS_STACK_LM", "TARGET_HOST_SHARE"]
+
+TARGET_VS_STACK_LM = 0.8
+"""``train`` tokens/s over ``stack_lm`` tokens/s."""
+TARGET_HOST_SHARE = 0.05
+"""featurise + pack + H2D over the training phase."""
+SYSTEMS = ("train", "train_split", "stack", "stack_lm", "audio", "h2d")
+
+
+def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16, mb_tokens: int = 4096,
+              systems=SYSTEMS, warmup: int = 1, iters: int = 3, seed: int = 0, tiny: bool = False,
+              device: str | None = None, work_dir=None, host_features: bool = False, hf_dir=None,
+              cuda_graphs: bool = True) -> dict:
+    """Run the benchmark (module docstring); write ``bench_train.json`` / ``.png`` under ``out_dir``."""
+    import torch
+
+    from launch.bench._layers_timing import _env
+    from launch.bench._train_data import TINY_RANGES, prepare_checkpoint, synth_trajectories
+    from launch.bench._train_systems import TrainBench, optimizer_bound
+    from megatron_grpo.data.device_features import trainer_featurizer
+    from megatron_grpo.engine.setup import build_engine
+    from megatron_grpo.engine.step import StepConfig
+    from megatron_grpo.packing import PackingConfig
+    from model_bridge.config import ParallelLayout
+    from model_bridge.parallel import destroy_parallel, init_parallel
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(work_dir) if work_dir else out
+    if device == "cpu":
+        import os
+
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    dev = torch.device("cuda" if torch.cuda.is_available() and device != "cpu" else "cpu")
+    t_start = time.time()
+    say = lambda *a: print("[bench train]", *a, flush=True)  # noqa: E731
+    say(f"checkpoint ({'tiny' if tiny else f'{layers} layers, {audio_layers} audio layers, full width'}) ...")
+    ckpt = Path(hf_dir) if hf_dir else prepare_checkpoint(work, tiny=tiny, layers=layers, audio_layers=audio_layers,
+                                                          seed=seed)
+    init_parallel(seed=seed)
+    from contextlib import ExitStack
+
+    from megatron_grpo.engine.graphs import trainer_stream
+
+    on_stream = ExitStack()
+    on_stream.enter_context(trainer_stream(cuda_graphs))  # as mgrpo train: from the engine's build on
+    try:
+        dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+        say(f"engine on {dev} ({dtype}) ...")
+        engine = build_engine(ckpt, ParallelLayout(), dtype=dtype)
+        from transformers import AutoFeatureExtractor
+
+        from megatron_grpo.engine.graphs import enable_graphs
+
+        graphs = enable_graphs(engine, cuda_graphs, mb_tokens, backend="auto")
+        from megatron_grpo.engine.budget import resolve_token_budget
+
+        auto_budget = resolve_token_budget("auto", engine, chunk_tokens=StepConfig().logprob_chunk_size)
+        featurize = trainer_featurizer(AutoFeatureExtractor.from_pretrained(ckpt), not host_features)
+        trajs = synth_trajectories(samples, engine.spec, max_tokens=mb_tokens, seed=seed,
+                                   ranges=TINY_RANGES if tiny else None, n_window=engine.spec.audio.n_window)
+        bench = TrainBench(engine, trajs, PackingConfig(max_tokens_per_microbatch=mb_tokens, allow_oversized=True),
+                           StepConfig(max_consecutive_skips=10**6), featurize, dev)  # report, never stop
+        say(f"{samples} samples, {bench.real_tokens} tokens ({bench.total_tokens} with padding) in "
+            f"{len(bench.host_mbs)} micro-batches, {bench.num_clips} clips; {warmup} + {iters} rounds of "
+            f"{', '.join(systems)}")
+        fns = bench.systems(list(systems))
+        rows = {n: [] for n in fns}
+        if dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        for r in range(warmup + iters):
+            for n, fn in fns.items():
+                res = fn()
+                if r >= warmup:
+                    rows[n].append(res)
+            say(f"round {r + 1}/{warmup + iters} done")
+        res = {"env": _env(dev), "device": str(dev), "checkpoint": str(ckpt), "layers": None if tiny else layers,
+               "audio_layers": None if tiny else audio_layers, "tiny": tiny, "samples": samples,
+               "mb_tokens": mb_tokens, "auto_budget": auto_budget, "host_features": host_features, "cuda_graphs": graphs is not None,
+               "cuda_graphs_fallback": engine.graphs_fallback,
+               "graph_buckets": sorted(graphs.graphed) if graphs else [],
+               "graph_replays": graphs.replays if graphs else 0, "graph_eager_micro_batches": graphs.eager if graphs else 0,
+               "tokens_real": bench.real_tokens, "tokens_total": bench.total_tokens,
+               "micro_batches": [m.num_tokens for m in bench.host_mbs], "audio_clips": bench.num_clips,
+               "audio_seconds": sum(len(w) for t in trajs for w in t.audios) / 16000.0,
+               "systems": {n: _summary(v, bench.real_tokens) for n, v in rows.items()},
+               "optimizer_bound": optimizer_bound(engine, dev),
+               "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None,
+               "last_train_metrics": getattr(bench, "last_metrics", None)}
+        res["featurizer"] = "device" if type(featurize).__name__ == "DeviceFeaturizer" else "host"
+        res["report"] = report(res)
+    finally:
+        on_stream.close()
+        destroy_parallel()
+    res["wall_s"] = time.time() - t_start
+    argv = sys.argv[3:] if sys.argv[1:3] == ["bench", "train"] else sys.argv[1:]
+    res["command"] = " ".join(["mgrpo", "bench", "train", *argv])
+    (out / "bench_train.json").write_text(json.dumps(res, indent=2, default=str) + "\n")
+    _plot(res, out / "bench_train.png")
+    _print_table(res)
+    return res
+
+
+def _summary(rows: list[dict], tokens: int) -> dict:
+    keys = rows[0].keys() if rows else []
+    s = {k: [r[k] for r in rows] for k in keys}
+    out = {**s, **{f"{k}_median": statistics.median(v) for k, v in s.items()}}
+    main = "phase_s_median" if "phase_s_median" in out else "step_s_median"
+    if main in out and out[main] > 0:
+        out["tok_per_s"] = tokens / out[main]
+    return out
+
+
+def report(res: dict) -> dict:
+    """Ratios, the phase's shares and the targets from the systems' medians (module docstring)."""
+    s = res["systems"]
+    r: dict = {}
+    med = lambda n, k="step_s_median": s[n][k] if n in s and k in s[n] else None  # noqa: E731
+    train, split = med("train", "phase_s_median"), s.get("train_split", {})
+    stack, stack_lm, audio, h2d = med("stack"), med("stack_lm"), med("audio"), med("h2d")
+    if train and stack_lm:
+        r["train_vs_stack_lm_tok_s"] = stack_lm / train
+    if train and stack:
+        r["train_vs_stack_tok_s"] = stack / train
+    phase = split.get("phase_s_median")
+    if phase:
+        fb = split["forward_backward_s_median"]
+        parts = {"featurise": split["featurise_s_median"], "pack": split["pack_s_median"], "h2d": h2d,
+                 "fwd_bwd_audio_tower": audio, "fwd_bwd_decoder_layers": stack,
+                 "fwd_bwd_lm_head": None if stack_lm is None or stack is None else stack_lm - stack,
+                 "fwd_bwd_rest": None if None in (audio, stack_lm) else fb - audio - stack_lm,
+                 "optimizer": split["optimizer_s_median"]}
+        parts["other"] = phase - split["featurise_s_median"] - split["pack_s_median"] - fb - split["optimizer_s_median"]
+        r["phase_s"] = phase
+        r["parts_s"] = parts
+        r["shares"] = {k: None if v is None else v / phase for k, v in parts.items()}
+        host = split["featurise_s_median"] + split["pack_s_median"] + (h2d or 0.0)
+        r["featurise_pack_h2d_share"] = host / phase
+    ob = res.get("optimizer_bound", {})
+    if ob and split.get("optimizer_s_median"):
+        r["optimizer_vs_bandwidth_bound"] = ob["bound_s"] / split["optimizer_s_median"]
+    r["targets"] = {
+        f"train_vs_stack_lm>={TARGET_VS_STACK_LM}": (r["train_vs_stack_lm_tok_s"] >= TARGET_VS_STACK_LM
+                                                    if "train_vs_stack_lm_tok_s" in r else None),
+        f"featurise+pack+h2d<={TARGET_HOST_SHARE}": (r["featurise_pack_h2d_share"] <= TARGET_HOST_SHARE
+                                                     if "featurise_pack_h2d_share" in r else None)}
+    return r
+
+
+def _print_table(res: dict) -> None:
+    s, r = res["systems"], res["report"]
+    print(f"\n== bench train: {res['tokens_real']} tokens, {len(res['micro_batches'])} micro-batches, "
+          f"{res['audio_clips']} clips ({res['audio_seconds']:.0f} s of audio), {res['device']}, "
+          f"features on the {res['featurizer']}, cuda graphs "
+          f"{res['graph_buckets'] if res['cuda_graphs'] else 'off: ' + str(res['cuda_graphs_fallback'])}")
+    for n, v in s.items():
+        t = v.get("phase_s_median", v.get("step_s_median"))
+        print(f"  {n:12s} {t * 1e3:10.1f} ms  {v.get('tok_per_s', 0):12.0f} tok/s")
+    for k, v in r.get("parts_s", {}).items():
+        if v is not None:
+            print(f"  share {k:24s} {v * 1e3:9.1f} ms  {100 * v / r['phase_s']:5.1f}%")
+    for k in ("train_vs_stack_lm_tok_s", "train_vs_stack_tok_s", "featurise_pack_h2d_share",
+              "optimizer_vs_bandwidth_bound"):
+        if k in r:
+            print(f"  {k:32s} {r[k]:.3f}")
+    print(f"  targets: {r['targets']}")
+
+
+def _plot(res: dict, path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    r = res["report"]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = [n for n in ("train", "stack_lm", "stack") if n in res["systems"]]
+    a.bar(names, [res["systems"][n].get("tok_per_s", 0) for n in names], color=["C3", "C1", "C0"][:len(names)])
+    a.set_ylabel("real tokens / s")
+    a.set_title("training phase vs layer stack (+ LM head)")
+    parts = {k: v for k, v in r.get("parts_s", {}).items() if v is not None and v > 0}
+    left = 0.0
+    for i, (k, v) in enumerate(parts.items()):
+        b.barh([0], [v * 1e3], left=left, color=f"C{i}", label=f"{k} {100 * v / r['phase_s']:.1f}%")
+        left += v * 1e3
+    b.set_yticks([])
+    b.set_xlabel("ms of one training phase (train_split)")
+    b.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=3)
+    b.set_title("where the phase's time goes")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    systems = [x for x in args.systems.split(",") if x]
+    unknown = [x for x in systems if x not in SYSTEMS]
+    if unknown:
+        print(f"mgrpo bench train: --systems: unknown {', '.join(unknown)}; choose from {','.join(SYSTEMS)}",
+              file=sys.stderr)
+        return 2
+    run_bench(args.out, layers=args.layers, audio_layers=args.audio_layers, samples=args.samples,
+              mb_tokens=args.mb_tokens, systems=systems, warmup=args.warmup, iters=args.iters, seed=args.seed,
+              tiny=args.tiny, device=args.device, work_dir=args.work_dir, host_features=args.host_features,
+              hf_dir=args.hf_dir, cuda_graphs=not args.no_cuda_graphs)
+    return 0
+
+
+def add_parser(bsub) -> argparse.ArgumentParser:
+    s = bsub.add_parser("train", help="the training phase of mgrpo train (features, packing, train_step) vs the "
+                                      "layer stack (+ LM head), where its time goes",
+                        description=__doc__.split("\n\n")[0])
+    s.add_argument("--layers", type=int, default=4, help="full-width decoder layers (default 4)")
+    s.add_argument("--audio-layers", type=int, default=4, help="full-width audio-tower layers (default 4)")
+    s.add_argument("--samples", type=int, default=16, help="trajectories per step (default 16)")
+    s.add_argument("--mb-tokens", type=int, default=4096, help="packing budget per micro-batch (default 4096)")
+    s.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
+    s.add_argument("--warmup", type=int, default=1, help="untimed rounds (default 1)")
+    s.add_argument("--iters", type=int, default=3, help="timed rounds, medians reported (default 3)")
+    s.add_argument("--seed", type=int, default=0, help="seed of the weights and the trajectories")
+    s.add_argument("--tiny", action="store_true", help="the tiny preset checkpoint and short clips: a CPU smoke run")
+    s.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    s.add_argument("--host-features", action="store_true",
+                   help="featurise on the host (the Whisper extractor) instead of on the device")
+    s.add_argument("--no-cuda-graphs", action="store_true",
+                   help="train eagerly; the bench replays CUDA graphs on GPU by default (mgrpo train: trainer.cuda_graphs, off by default)")
+    s.add_argument("--hf-dir", default=None, help="train this checkpoint instead of generating one (--tiny: its "
+                                                 "clip lengths)")
+    s.add_argument("--work-dir", default=None, help="where the generated checkpoint goes (default --out)")
+    s.add_argument("--out", default="bench_results/train", help="results directory (JSON, PNG)")
+    s.set_defaults(func=_cmd)
+    return s
+
+
+def main(argv=None) -> int:
+    """``python -m launch.bench.train ARGS`` == ``mgrpo bench train ARGS``."""
+    return bench_main("train", add_parser, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

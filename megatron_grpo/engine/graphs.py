@@ -1,0 +1,235 @@
+"""CUDA graphs for the trainer's micro-batches (``trainer.cuda_graphs``).
+
+What is graphed: each training micro-batch's decoder stack (the transformer layers and the final
+norm, forward and backward), captured with ``torch.cuda.make_graphed_callables`` once per *bucket*
+shape and replayed for every micro-batch of that shape in every later step. The token embedding,
+the audio tower, the fused LM-head logprob, the GRPO loss and megatron's schedule stay eager around
+it: their shapes follow the micro-batch's clips and loss tokens, and they cost a small part of the
+step. The graphed function's parameter gradients leave it as ordinary autograd outputs, so
+megatron's DDP hooks add them into the fp32 grad buffers as for an eager micro-batch (gradient
+accumulation, the distributed optimizer and grad clipping see the same buffers).
+
+Buckets: a micro-batch of ``T`` tokens runs in the smallest bucket ``T_b >= T`` among the multiples
+of ``budget / 4`` up to the token budget (4 shapes, all graphs in one memory pool: the schedule runs
+one micro-batch's forward and backward before the next one starts, so they never overlap). Its
+decoder input gets ``T_b - T`` zero rows as one more padding segment, the segment offsets are padded
+to a fixed ``MAX_SEGMENTS + 1`` entries with zero-length segments, and ``varlen_attn`` runs with
+``max_seqlen = T_b``: the graph reads the offsets from a device buffer that each replay refills, so
+one capture serves every packing. The padding rows attend only to themselves and get no loss; they
+do go through the router, so the MoE load-balancing loss counts ``T_b`` tokens instead of ``T``
+(as it already counts the packer's padding).
+
+Falls back to eager, with one logged reason, where graphs cannot apply: no CUDA; pipeline
+parallelism (PP > 1: megatron's 1F1B exchanges activations between stages around each forward);
+expert parallelism (EP > 1: the all-to-all dispatcher reads its split sizes on the host); tensor
+parallelism (TP > 1, not checked yet); a layer spec other than ``torch`` (megatron's local and TE
+specs read offsets on the host); recomputation (``model.recompute`` other than ``none``); float32
+(its attention is per-sample SDPA, planned on the host); a head size flash refuses; and per
+micro-batch: more than ``MAX_SEGMENTS`` samples, or more tokens than the budget (an oversized
+sample), which run eagerly in the same step (one logged line each kind).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Optional
+
+import torch
+
+__all__ = ["MicroBatchGraphs", "graph_fallback_reason", "bucket_sizes", "enable_graphs", "trainer_stream",
+           "MAX_SEGMENTS"]
+
+log = logging.getLogger("megatron_grpo.engine.graphs")
+
+MAX_SEGMENTS = 64
+"""Segments (samples plus padding) a graphed micro-batch may have: the offsets buffer's fixed size."""
+BUCKETS_PER_BUDGET = 4
+"""Bucket shapes: the multiples of ``budget / BUCKETS_PER_BUDGET`` up to the budget."""
+
+
+@contextlib.contextmanager
+def trainer_stream(enabled: bool = True):
+    """The trainer's work on one side stream of the current CUDA device, which is also the stream
+    the graphs are captured on (``torch.cuda.graph``'s default capture stream). Enter it before the
+    engine is built: megatron's DDP takes every parameter's gradient-accumulation node at its
+    construction, and autograd ties such a node to the stream current then; a capture on another
+    stream would make that stream (the legacy default stream, without this) wait on the capturing
+    one, which fails the capture (``operation would make the legacy stream depend on a capturing
+    blocking stream``). Elsewhere (CPU, or ``enabled`` false) nothing changes."""
+    if not (enabled and torch.cuda.is_available()):
+        yield None
+        return
+    stream = torch.cuda.Stream()
+    prev = torch.cuda.graph.default_capture_stream
+    torch.cuda.graph.default_capture_stream = stream
+    try:
+        with torch.cuda.stream(stream):
+            yield stream
+    finally:
+        torch.cuda.graph.default_capture_stream = prev
+
+
+def graph_fallback_reason(*, cuda: bool, tp: int = 1, pp: int = 1, ep: int = 1, backend: str = "torch",
+                          recompute: str = "none", dtype: torch.dtype = torch.bfloat16,
+                          head_dim: int = 128) -> Optional[str]:
+    """Why the trainer's micro-batches cannot be CUDA-graphed in this configuration (module doc), or None."""
+    from model_bridge.modeling.attention import flash_refusal_for
+
+    if not cuda:
+        return "no CUDA device (graphs are a GPU feature)"
+    if pp > 1:
+        return f"pipeline parallelism (pp={pp}): megatron's 1F1B schedule exchanges activations between stages"
+    if ep > 1:
+        return f"expert parallelism (ep={ep}): the all-to-all token dispatcher reads its split sizes on the host"
+    if tp > 1:
+        return f"tensor parallelism (tp={tp}): not checked under graphs yet"
+    if backend != "torch":
+        return f"layer-spec backend {backend!r}: only the 'torch' backend's layers run without host syncs"
+    if recompute != "none":
+        return f"model.recompute={recompute!r}: recomputation under graphs is not checked yet"
+    why = flash_refusal_for("cuda", dtype, head_dim, head_dim, head_dim)
+    if why is not None:
+        return f"attention would not run flash varlen ({why}): its SDPA path plans on the host"
+    return None
+
+
+def bucket_sizes(budget: int, multiple: int = 1) -> list[int]:
+    """The bucket shapes of a token budget (module doc), each a multiple of ``multiple``."""
+    step = max(multiple, -(-budget // BUCKETS_PER_BUDGET // multiple) * multiple)
+    out = list(range(step, budget, step)) + [budget]
+    return sorted(set(out))
+
+
+class _Stack(torch.nn.Module):
+    """The thinker's decoder stack for one bucket shape: ``(decoder_input [T_b, 1, h], position_ids
+    [3, 1, T_b], cu_seqlens int32 [MAX_SEGMENTS + 1]) -> final-normed hidden [T_b, 1, h]``."""
+
+    def __init__(self, thinker, tokens: int):
+        super().__init__()
+        self.lm = thinker.language_model
+        self.thinker = [thinker]  # not a submodule: only the decoder's parameters belong to the graph
+        self.tokens = tokens
+        # the host copy the attention plans with: one segment over the whole bucket, so the plan is
+        # the same for every packing (n_real = T_b, no compaction) and the kernel reads the real
+        # offsets from the device buffer
+        self.host_cu = (0,) + (tokens,) * MAX_SEGMENTS
+
+    def forward(self, decoder_input, position_ids, cu_seqlens):
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        from model_bridge.modeling.thd import attach_host_offsets
+
+        psp = attach_host_offsets(PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                                                  max_seqlen_q=self.tokens, max_seqlen_kv=self.tokens), self.host_cu)
+        self.lm.post_process = False  # GPTModel then returns the decoder's final-normed output
+        try:
+            out = self.lm(None, position_ids, None, decoder_input=decoder_input, packed_seq_params=psp)
+        finally:
+            self.lm.post_process = True
+        return self.thinker[0].lm_head_input(out)
+
+
+class MicroBatchGraphs:
+    """The graphed decoder stacks of one model chunk, by bucket shape, captured on first use."""
+
+    def __init__(self, thinker, budget: int, multiple: int = 1):
+        self.thinker = thinker
+        self.buckets = bucket_sizes(budget, multiple)
+        self.graphed: dict[int, object] = {}
+        self.pool = None
+        self._noted: set[str] = set()
+        self.replays = 0
+        self.eager = 0
+
+    def _note(self, kind: str, reason: str) -> None:
+        if kind not in self._noted:  # one line per kind of reason, the first case's numbers in it
+            self._noted.add(kind)
+            log.warning("trainer.cuda_graphs: a micro-batch runs eagerly: %s", reason)
+
+    def bucket(self, tokens: int, segments: int) -> Optional[int]:
+        """The bucket of a micro-batch, or None (it runs eagerly; the reason is logged once)."""
+        if segments + 1 > MAX_SEGMENTS:
+            self._note("segments", f"{segments} samples in one micro-batch (graphs take up to {MAX_SEGMENTS - 1})")
+            return None
+        for b in self.buckets:
+            if tokens <= b:
+                return b
+        self._note("oversized", f"{tokens} tokens exceed the token budget {self.buckets[-1]} (an oversized sample)")
+        return None
+
+    def _capture(self, tokens: int, like: torch.Tensor):
+        from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler,
+                                                             get_moe_layer_wise_logging_tracker)
+
+        if MoEAuxLossAutoScaler.main_loss_backward_scale is None:  # megatron copies into it from now on
+            MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1, device=like.device))
+        # the warm-up and capture runs add to the MoE aux-loss log; put it back as it was
+        saved = {k: v["values"].clone() for k, v in get_moe_layer_wise_logging_tracker().items()}
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        h = like.shape[-1]
+        args = (torch.zeros(tokens, 1, h, dtype=like.dtype, device=like.device, requires_grad=True),
+                torch.zeros(3, 1, tokens, dtype=torch.long, device=like.device),
+                torch.tensor([0] + [tokens] * MAX_SEGMENTS, dtype=torch.int32, device=like.device))
+        torch.cuda.synchronize()
+        # the GPT model's embedding and output layer are in its parameters but not in this graph
+        graphed = torch.cuda.make_graphed_callables(_Stack(self.thinker, tokens), args, allow_unused_input=True,
+                                                    pool=self.pool)
+        torch.cuda.synchronize()
+        for k, v in get_moe_layer_wise_logging_tracker().items():
+            if k in saved:
+                v["values"].copy_(saved[k])
+            else:
+                v["values"].zero_()
+        log.info("trainer.cuda_graphs: captured the decoder stack for %d-token micro-batches", tokens)
+        return graphed
+
+    def run(self, decoder_input: torch.Tensor, position_ids: torch.Tensor, host_cu) -> Optional[torch.Tensor]:
+        """Final-normed hidden ``[T, 1, h]`` of the decoder stack through the bucket's graph, or None
+        when this micro-batch must run eagerly. ``host_cu``: its segment offsets (host ints, last = T)."""
+        T = decoder_input.shape[0]
+        cu = [int(x) for x in host_cu]
+        b = self.bucket(T, len(cu) - 1)
+        if b is None:
+            self.eager += 1
+            return None
+        graphed = self.graphed.get(b)
+        if graphed is None:
+            graphed = self.graphed[b] = self._capture(b, decoder_input)
+        pad = b - T
+        if pad:
+            decoder_input = torch.cat([decoder_input, decoder_input.new_zeros(pad, *decoder_input.shape[1:])])
+            position_ids = torch.cat([position_ids, position_ids.new_zeros(3, 1, pad)], dim=-1)
+            cu.append(b)  # the bucket's padding: one more segment
+        cu += [b] * (MAX_SEGMENTS + 1 - len(cu))  # zero-length segments up to the buffer's size
+        from model_bridge.modeling.thd import ints_to_device
+
+        out = graphed(decoder_input, position_ids, ints_to_device(cu, decoder_input.device))
+        self.replays += 1
+        return out[:T] if pad else out
+
+
+def enable_graphs(engine, enabled: bool, budget: int, *, backend: str = "auto", recompute: str = "none",
+                  multiple: int = 1) -> Optional[MicroBatchGraphs]:
+    """Set up ``engine.graphs`` (read by ``engine.step.forward_backward``) when
+    ``enabled`` and the configuration allows (:func:`graph_fallback_reason`; else one logged line
+    with the reason and eager micro-batches). Returns the graphs or None."""
+    from model_bridge.modeling.specs import resolve_backend
+
+    from .setup import unwrapped
+
+    engine.graphs = engine.graphs_fallback = None
+    if not enabled:
+        return None
+    layout, text = engine.layout, engine.spec.text
+    why = graph_fallback_reason(cuda=torch.cuda.is_available(), tp=layout.tp, pp=layout.pp, ep=layout.ep,
+                                backend=resolve_backend(backend), recompute=recompute, dtype=engine.dtype,
+                                head_dim=text.head_dim)
+    if why is not None:
+        # on CPU that is the expected case (the default config is on): no warning in every CPU run
+        log.log(logging.INFO if not torch.cuda.is_available() else logging.WARNING,
+                "trainer.cuda_graphs: micro-batches run eagerly: %s", why)
+        engine.graphs_fallback = why
+        return None
+    engine.graphs = MicroBatchGraphs(unwrapped(engine.model[0]), budget, multiple)
+    return engine.graphs

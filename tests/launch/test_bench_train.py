@@ -1,0 +1,60 @@
+"""``mgrpo bench train`` at tiny width on the CPU: the real training phase runs and the report's
+shares add up to the phase; GPU: the full command at tiny width with device features."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _run(tmp_path, ckpt, *extra):
+    out = tmp_path / "bt"
+    cmd = [sys.executable, "-m", "launch.bench.train", "--tiny", "--hf-dir", str(ckpt), "--samples", "4",
+           "--mb-tokens", "512", "--warmup", "0", "--iters", "1", "--out", str(out), *extra]
+    p = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True,
+                       timeout=600)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
+    return json.loads((out / "bench_train.json").read_text()), out
+
+
+def _check(res):
+    s, r = res["systems"], res["report"]
+    assert set(s) == {"train", "train_split", "stack", "stack_lm", "audio", "h2d"}
+    assert res["audio_clips"] >= 8 and len(res["micro_batches"]) >= 2
+    assert all(t <= 512 for t in res["micro_batches"])
+    split = s["train_split"]
+    parts = r["parts_s"]
+    # featurise + pack + forward/backward + optimizer + other is the phase, exactly
+    total = parts["featurise"] + parts["pack"] + split["forward_backward_s_median"] + parts["optimizer"] + parts["other"]
+    assert total == pytest.approx(r["phase_s"], rel=1e-9)
+    assert r["train_vs_stack_lm_tok_s"] == pytest.approx(s["stack_lm"]["step_s_median"] / s["train"]["phase_s_median"])
+    assert r["featurise_pack_h2d_share"] == pytest.approx(
+        (parts["featurise"] + parts["pack"] + parts["h2d"]) / r["phase_s"])
+    assert parts["featurise"] > 0 and parts["optimizer"] > 0
+    ob = res["optimizer_bound"]
+    assert ob["bound_s"] == pytest.approx(ob["params"] * ob["bytes_per_param"] / ob["copy_bandwidth_B_s"])
+    m = res["last_train_metrics"]  # the real train_step ran: loss tokens, clips and a finite grad norm
+    assert m["audio_clips"] == res["audio_clips"] and m["grad_norm"] > 0 and m["skipped"] == 0.0
+
+
+def test_bench_train_tiny_cpu(tmp_path, tiny_ckpt):
+    res, _ = _run(tmp_path, tiny_ckpt, "--device", "cpu")
+    _check(res)
+    assert res["featurizer"] == "host" and res["device"] == "cpu"
+    assert res["cuda_graphs"] is False and res["cuda_graphs_fallback"] == "no CUDA device (graphs are a GPU feature)"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bench_train_tiny_gpu(tmp_path, tiny_ckpt):
+    res, _ = _run(tmp_path, tiny_ckpt)
+    _check(res)
+    assert res["featurizer"] == "device" and res["device"].startswith("cuda")
+    assert res["cuda_graphs"] is True and res["graph_replays"] > 0 and res["graph_buckets"]

@@ -1,0 +1,51 @@
+"""Log-mel on the device == the Whisper feature extractor (``data.features.audio_features``)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_grpo.data.device_features import DeviceFeaturizer
+from megatron_grpo.data.features import audio_features
+
+
+def _extractor():
+    from transformers import WhisperFeatureExtractor
+
+    return WhisperFeatureExtractor(feature_size=128, sampling_rate=16000, hop_length=160, chunk_length=30, n_fft=400)
+
+
+def _clips(seed: int):
+    rng = np.random.default_rng(seed)
+    # odd lengths (not multiples of the hop), one shorter than a window, a loud and a quiet one
+    return [(rng.standard_normal(n) * s).astype(np.float32) for n, s in
+            ((16000 * 3 + 77, 0.1), (401, 1.0), (16000 + 160, 1e-3), (5 * 16000 + 13, 0.5))]
+
+
+def _check(device: str, tol: float):
+    fe = _extractor()
+    clips = _clips(0 if device == "cpu" else 1)
+    ref, ref_lens = audio_features(fe, clips)
+    got, lens = DeviceFeaturizer(fe, device)(clips)
+    assert got.device.type == device and got.dtype == torch.float32
+    assert lens.device.type == "cpu" and lens.tolist() == ref_lens.tolist()
+    assert got.shape == ref.shape
+    diff = (got.cpu() - ref).abs().max().item()
+    assert diff < tol, diff
+
+
+def test_cpu_matches_extractor():
+    _check("cpu", 1e-4)
+
+
+def test_dither_is_refused():
+    fe = _extractor()
+    fe.dither = 1e-5
+    with pytest.raises(NotImplementedError, match="dither"):
+        DeviceFeaturizer(fe, "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_matches_extractor():
+    _check("cuda", 2e-3)

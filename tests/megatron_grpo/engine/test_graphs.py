@@ -1,0 +1,202 @@
+"""CUDA graphs for the trainer's micro-batches (``engine/graphs.py``).
+
+CPU: the fallback reasons, the bucket shapes, the per-micro-batch eager cases, and the bucket
+padding itself (decoder input padded to the bucket, offsets padded with zero-length segments, the
+one-segment host plan) giving the thinker's own hidden states, through the same code with the
+capture replaced by the eager module. GPU: the trainer with graphs against the trainer with the
+same bucketed micro-batches run eagerly, over 3 steps with the optimizer: the final hidden states
+bit-equal, the gradients within eager's run-to-run spread.
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from megatron_grpo.engine.graphs import MAX_SEGMENTS, MicroBatchGraphs, bucket_sizes, graph_fallback_reason
+from model_bridge.spawn import run_ranks
+
+
+@pytest.mark.parametrize("kw,reason", [
+    (dict(cuda=True), None),
+    (dict(cuda=False), "no CUDA device (graphs are a GPU feature)"),
+    (dict(cuda=True, pp=2), "pipeline parallelism (pp=2): megatron's 1F1B schedule exchanges activations between "
+                            "stages"),
+    (dict(cuda=True, ep=2), "expert parallelism (ep=2): the all-to-all token dispatcher reads its split sizes on "
+                            "the host"),
+    (dict(cuda=True, tp=2), "tensor parallelism (tp=2): not checked under graphs yet"),
+    (dict(cuda=True, backend="local"), "layer-spec backend 'local': only the 'torch' backend's layers run without "
+                                       "host syncs"),
+    (dict(cuda=True, recompute="full"), "model.recompute='full': recomputation under graphs is not checked yet"),
+    (dict(cuda=True, dtype=torch.float32), "attention would not run flash varlen (dtype torch.float32 (flash runs "
+                                           "bfloat16/float16)): its SDPA path plans on the host"),
+    (dict(cuda=True, head_dim=10), "attention would not run flash varlen (head size 10 is not a multiple of 8): its "
+                                   "SDPA path plans on the host"),
+])
+def test_fallback_reasons(kw, reason):
+    assert graph_fallback_reason(**kw) == reason
+
+
+def test_bucket_sizes():
+    assert bucket_sizes(4096) == [1024, 2048, 3072, 4096]
+    assert bucket_sizes(4096, 3) == [1026, 2052, 3078, 4096]
+    assert bucket_sizes(6) == [2, 4, 6]
+
+
+def test_micro_batches_that_run_eagerly_are_logged_once(caplog):
+    g = MicroBatchGraphs(thinker=None, budget=4096)
+    with caplog.at_level(logging.WARNING, logger="megatron_grpo.engine.graphs"):
+        assert g.bucket(1000, 3) == 1024 and g.bucket(1025, 3) == 2048 and g.bucket(4096, 1) == 4096
+        assert g.bucket(5000, 1) is None and g.bucket(5001, 1) is None
+        assert g.bucket(100, MAX_SEGMENTS) is None
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["trainer.cuda_graphs: a micro-batch runs eagerly: 5000 tokens exceed the token budget 4096 "
+                     "(an oversized sample)",
+                     f"trainer.cuda_graphs: a micro-batch runs eagerly: {MAX_SEGMENTS} samples in one micro-batch "
+                     f"(graphs take up to {MAX_SEGMENTS - 1})"]
+
+
+class EagerBuckets(MicroBatchGraphs):
+    """The bucketed path with the capture replaced by the eager module (same padding, same offsets)."""
+
+    def _capture(self, tokens, like):
+        from megatron_grpo.engine.graphs import _Stack
+
+        return _Stack(self.thinker, tokens)
+
+
+def _trajectories(spec, budget, n=8, seed=0):
+    from launch.bench._train_data import TINY_RANGES, synth_trajectories
+
+    return synth_trajectories(n, spec, max_tokens=budget, seed=seed, ranges=TINY_RANGES, group_size=4)
+
+
+def _microbatches(engine, hf_dir, budget):
+    from transformers import AutoFeatureExtractor
+
+    from megatron_grpo.data.device_features import trainer_featurizer
+    from megatron_grpo.engine.batch import build_train_microbatches
+    from megatron_grpo.packing import PackLimits, plan_step
+
+    trajs = _trajectories(engine.spec, budget)
+    packing = PackLimits(max_tokens_per_microbatch=budget)
+    plan = plan_step([t.num_tokens for t in trajs], 1, packing)
+    featurize = trainer_featurizer(AutoFeatureExtractor.from_pretrained(hf_dir))
+    return build_train_microbatches(trajs, plan, 0, packing, featurize=featurize, n_window=engine.spec.audio.n_window)
+
+
+def _padded_hidden_rank(hf_dir: str, budget: int) -> list[float]:
+    """Largest |difference| per micro-batch between the bucketed path's hidden states and the
+    thinker's own (``forward(return_hidden=True)``), on the CPU in fp32."""
+    from megatron_grpo.engine.forward import _graphed_forward
+    from megatron_grpo.engine.setup import build_engine, unwrapped
+    from model_bridge.config import ParallelLayout
+    from model_bridge.parallel import init_parallel
+
+    init_parallel(seed=1234)
+    engine = build_engine(hf_dir, ParallelLayout(), dtype=torch.float32)
+    thinker = unwrapped(engine.model[0])
+    graphs = EagerBuckets(thinker, budget)
+    out = []
+    with torch.no_grad():
+        for m in _microbatches(engine, hf_dir, budget):
+            ref = thinker(m.input_ids_T.unsqueeze(0), m.position_ids(), packed_seq_params=m.packed_seq_params(),
+                          audio_features=m.audio_features, audio_feature_lens=m.audio_feature_lens, return_hidden=True)
+            got = _graphed_forward(graphs, thinker, m, m)
+            assert got.shape == ref.shape
+            out.append((m.num_tokens, graphs.bucket(m.num_tokens, 1), float((got - ref).abs().max())))
+    return out
+
+
+def test_bucket_padding_gives_the_thinkers_hidden_states(tiny_ckpt):
+    res = run_ranks(_padded_hidden_rank, 1, str(tiny_ckpt), 512, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=600)[0]
+    assert len(res) >= 2 and any(T < b for T, b, _ in res)  # some micro-batches were padded to their bucket
+    assert max(d for _, _, d in res) < 1e-5, res
+
+
+def _graph_vs_eager_rank(hf_dir: str, budget: int, steps: int = 3) -> dict:
+    """Three engines from one checkpoint (bf16, GPU): graphs, and twice the same bucketed path
+    eagerly; ``steps`` train steps each on the same micro-batches. Per step: hidden states of the
+    first micro-batch before the update (graph vs eager, bit-equal), gradient differences. All on
+    the trainer's stream (``trainer_stream``), as ``mgrpo train`` runs."""
+    from model_bridge.parallel import init_parallel
+
+    from megatron_grpo.engine.graphs import trainer_stream
+
+    init_parallel(seed=1234)
+    with trainer_stream():
+        return _graph_vs_eager(hf_dir, budget, steps)
+
+
+def _graph_vs_eager(hf_dir: str, budget: int, steps: int) -> dict:
+    from megatron_grpo.engine.forward import _graphed_forward
+    from megatron_grpo.engine.graphs import enable_graphs
+    from megatron_grpo.engine.setup import build_engine, unwrapped
+    from megatron_grpo.engine.step import StepConfig, forward_backward, optimizer_update
+    from model_bridge.config import ParallelLayout
+
+    engines = [build_engine(hf_dir, ParallelLayout(), dtype=torch.bfloat16) for _ in range(3)]
+    g = enable_graphs(engines[0], True, budget, backend="torch")
+    assert g is not None, engines[0].graphs_fallback
+    for e in engines[1:]:
+        e.graphs = EagerBuckets(unwrapped(e.model[0]), budget)
+    mbs = _microbatches(engines[0], hf_dir, budget)
+    cfg = StepConfig()
+    res = {"equal_hidden": [], "graph_vs_eager": [], "eager_vs_eager": [], "loss": []}
+
+    def grads(e):
+        return [p.main_grad.detach().float().clone() for p in e.model[0].parameters() if p.requires_grad]
+
+    def rel(a, b):
+        return max(float((x - y).norm() / y.norm().clamp_min(1e-30)) for x, y in zip(a, b))
+
+    for step in range(1, steps + 1):
+        if step > 1:  # the graphs exist from step 1's forward_backward on
+            m = mbs[0].to("cuda")
+            with torch.no_grad():
+                hs = [_graphed_forward(e.graphs, unwrapped(e.model[0]), mbs[0], m) for e in engines[:2]]
+            res["equal_hidden"].append(bool(torch.equal(hs[0], hs[1])))
+        gs, losses = [], []
+        for e in engines:
+            for c in e.model:
+                c.zero_grad_buffer()
+            e.optimizer.zero_grad()
+            losses.append(forward_backward(e, mbs, cfg)["loss"])
+            gs.append(grads(e))
+            optimizer_update(e, None, step)
+        res["graph_vs_eager"].append(rel(gs[0], gs[1]))
+        res["eager_vs_eager"].append(rel(gs[2], gs[1]))
+        res["loss"].append(losses)
+    res["replays"], res["buckets"] = g.replays, sorted(g.graphed)
+    return res
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_graphs_match_eager_over_three_steps(tiny_ckpt):
+    res = run_ranks(_graph_vs_eager_rank, 1, str(tiny_ckpt), 512, timeout=600)[0]
+    assert res["replays"] >= 6 and res["buckets"], res
+    assert all(res["equal_hidden"]), res
+    for gv, ee in zip(res["graph_vs_eager"], res["eager_vs_eager"]):
+        assert gv <= max(4 * ee, 1e-3), res
+    for lg, le, le2 in res["loss"]:
+        assert lg == pytest.approx(le, rel=1e-3, abs=1e-6), res
+
+
+def test_enable_graphs_logs_the_fallback_reason(caplog):
+    from types import SimpleNamespace
+
+    from megatron_grpo.engine.graphs import enable_graphs
+    from model_bridge.config import ParallelLayout
+
+    engine = SimpleNamespace(layout=ParallelLayout(), spec=SimpleNamespace(text=SimpleNamespace(head_dim=128)),
+                             dtype=torch.bfloat16, graphs=object(), graphs_fallback=None)
+    assert enable_graphs(engine, False, 4096) is None and engine.graphs is None
+    with caplog.at_level(logging.INFO, logger="megatron_grpo.engine.graphs"):
+        assert enable_graphs(engine, True, 4096, backend="local") is None
+    assert engine.graphs_fallback == ("no CUDA device (graphs are a GPU feature)" if not
+                                                    torch.cuda.is_available() else
+                                                    "layer-spec backend 'local': only the 'torch' backend's layers "
+                                                    "run without host syncs")
+    assert caplog.messages == [f"trainer.cuda_graphs: micro-batches run eagerly: {engine.graphs_fallback}"]
