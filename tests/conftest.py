@@ -161,6 +161,49 @@ def restore_checkpoint_weights(server) -> None:
         rx.close()
 
 
+class PreflightPassed(AssertionError):
+    """Raised in place of spawning ranks or training when `mgrpo` runs in-process (`mgrpo_inproc`)."""
+
+
+@pytest.fixture
+def mgrpo_inproc(monkeypatch):
+    """Run `mgrpo ARGS...` in this process through the CLI's own entry (`launch.cli.main`), for
+    commands that must stop at a pre-flight check: returns a `subprocess.CompletedProcess` (exit
+    code, stdout, stderr) as `python -m launch.cli` would. Getting past the checks (spawning ranks
+    or training) raises `PreflightPassed` instead. The entry point itself (`python -m launch.cli`
+    printing the same) is tested by tests/megatron_grpo/test_train.py."""
+    import contextlib
+    import io
+    import subprocess
+
+    import launch.train_cli
+    import megatron_grpo.train
+
+    def passed(*a, **k):
+        raise PreflightPassed("mgrpo train got past its pre-flight checks (it would start ranks now)")
+
+    monkeypatch.setattr(launch.train_cli, "_spawn_train_ranks", passed)
+    monkeypatch.setattr(megatron_grpo.train, "train", passed)
+    monkeypatch.setenv("MGRPO_CACHE", str(CACHE / "embedded"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        from launch.cli import main
+
+        out, err, env = io.StringIO(), io.StringIO(), dict(os.environ)
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                code = main(list(args))
+        except SystemExit as e:  # argparse errors
+            code = e.code if isinstance(e.code, int) else 1
+        finally:
+            os.environ.clear()  # the single-rank path sets RANK, WORLD_SIZE, ... before training
+            os.environ.update(env)
+        return subprocess.CompletedProcess(["mgrpo", *args], code, out.getvalue(), err.getvalue())
+
+    return run
+
+
 @pytest.fixture
 def remote_server(vllm_server):
     """The session server for one `mgrpo train rollout.server=remote` run, which pushes its weights

@@ -71,15 +71,15 @@ def test_record_round_trip_is_exact_and_stores_a_shared_clip_once(tmp_path):
         assert u == t  # every other field exactly (floats through float64)
 
 
-def test_replay_config_errors(tmp_path):
-    r = _mgrpo("train", "rollout.server=replay", f"rollout.replay_dir={tmp_path / 'none'}",
+def test_replay_config_errors(mgrpo_inproc, tmp_path):
+    r = mgrpo_inproc("train", "rollout.server=replay", f"rollout.replay_dir={tmp_path / 'none'}",
                f"trainer.run_dir={tmp_path / 'run'}")
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1:] == [
         f"mgrpo train: config error: rollout: rollout.replay_dir {tmp_path / 'none'} does not exist: record one "
         "first with rollout.record_dir=<dir> (docs/training.md, 'Record and replay rollouts')"]
     rec = _manifest_dir(tmp_path / "rec", [1, 2])
-    r = _mgrpo("train", "rollout.server=replay", f"rollout.replay_dir={rec}", "trainer.steps=5",
+    r = mgrpo_inproc("train", "rollout.server=replay", f"rollout.replay_dir={rec}", "trainer.steps=5",
                f"trainer.run_dir={tmp_path / 'run'}")
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1:] == [

@@ -50,38 +50,50 @@ def _metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_config_errors_are_one_line_naming_the_key(tmp_path):
-    r = _mgrpo("train", "loss.varant=dapo", f"trainer.run_dir={tmp_path}")
+def test_the_entry_point_prints_the_error_line_and_exit_code(mgrpo_inproc, tmp_path):
+    """`python -m launch.cli` (what `mgrpo` runs) prints what `launch.cli.main` prints in-process,
+    with its return value as the exit code: the config-error tests below run in-process through
+    `mgrpo_inproc`."""
+    args = ("train", "loss.varant=dapo", f"trainer.run_dir={tmp_path}")
+    r, inproc = _mgrpo(*args), mgrpo_inproc(*args)
+    assert (r.returncode, r.stderr, r.stdout) == (inproc.returncode, inproc.stderr, inproc.stdout) == (
+        2, "mgrpo train: config error: unknown config key 'loss.varant' (did you mean 'loss.variant'?); valid "
+           "keys here: ['dual_clip_c', 'entropy_coef', 'eps_high', 'eps_low', 'kl_coef', 'kl_estimator', "
+           "'max_response_len', 'variant']\n", "")
+
+
+def test_config_errors_are_one_line_naming_the_key(mgrpo_inproc, tmp_path):
+    r = mgrpo_inproc("train", "loss.varant=dapo", f"trainer.run_dir={tmp_path}")
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
         "mgrpo train: config error: unknown config key 'loss.varant' (did you mean 'loss.variant'?); "
         "valid keys here: ['dual_clip_c', 'entropy_coef', 'eps_high', 'eps_low', 'kl_coef', 'kl_estimator', "
         "'max_response_len', 'variant']"]
-    r = _mgrpo("train", "parallel.tp=1", "parallel.ep=3", "parallel.nproc=3", f"trainer.run_dir={tmp_path}")
+    r = mgrpo_inproc("train", "parallel.tp=1", "parallel.ep=3", "parallel.nproc=3", f"trainer.run_dir={tmp_path}")
     assert r.returncode == 2  # (building the embedded inputs on first use may log above the error)
     assert r.stderr.strip().splitlines()[-1:] == [
         "mgrpo train: config error: parallel layout does not fit the model: ep=3 does not divide num_experts=8"]
     # --nproc N is parallel.nproc=N before the checks, and overrides may follow an option
-    r = _mgrpo("train", "--nproc", "3", "parallel.tp=1", "parallel.ep=3", f"trainer.run_dir={tmp_path}")
+    r = mgrpo_inproc("train", "--nproc", "3", "parallel.tp=1", "parallel.ep=3", f"trainer.run_dir={tmp_path}")
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1:] == [
         "mgrpo train: config error: parallel layout does not fit the model: ep=3 does not divide num_experts=8"]
-    r = _mgrpo("train", "--nproc", "0")
+    r = mgrpo_inproc("train", "--nproc", "0")
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == \
         "mgrpo train: error: argument --nproc: must be a positive integer, got '0'"
-    r = _mgrpo("train", "--bogus", "1")
+    r = mgrpo_inproc("train", "--bogus", "1")
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == "mgrpo train: error: unrecognized arguments: --bogus"
 
 
-def test_yaml_syntax_error_and_config_with_resume_are_one_line(tmp_path):
+def test_yaml_syntax_error_and_config_with_resume_are_one_line(mgrpo_inproc, tmp_path):
     bad = tmp_path / "run.yaml"
     bad.write_text("trainer: [1,2\n")
-    r = _mgrpo("train", "--config", str(bad))
+    r = mgrpo_inproc("train", "--config", str(bad))
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
         f"mgrpo train: config error: config file {bad} is not valid YAML at line 2, column 1: "
         "expected ',' or ']', but got '<stream end>'"]
-    r = _mgrpo("train", "--config", str(bad), "--resume", str(tmp_path))
+    r = mgrpo_inproc("train", "--config", str(bad), "--resume", str(tmp_path))
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == [
         f"mgrpo train: config error: --config {bad} with --resume {tmp_path}: a resumed run keeps its saved "
@@ -89,18 +101,18 @@ def test_yaml_syntax_error_and_config_with_resume_are_one_line(tmp_path):
     fix = ("pass the trainer.run_dir of an earlier `mgrpo train` (it holds config.json and checkpoints/), or start "
            "a new run with --config")
     for where, what in ((tmp_path / "missing", "does not exist"), (tmp_path, "has no config.json (not a run dir)")):
-        r = _mgrpo("train", "--resume", str(where))
+        r = mgrpo_inproc("train", "--resume", str(where))
         assert r.returncode == 2
         assert r.stderr.strip().splitlines() == [f"mgrpo train: config error: --resume {where} {what}: {fix}"]
 
 
-def test_a_new_run_never_writes_over_checkpoints_and_resume_needs_one(tmp_path):
+def test_a_new_run_never_writes_over_checkpoints_and_resume_needs_one(mgrpo_inproc, tmp_path):
     from megatron_grpo.engine.checkpoint import CHECKPOINT_FORMAT, META_FILE
 
     run = tmp_path / "run"
     run.mkdir()  # a run dir with a config but no checkpoint
     (run / "config.json").write_text(json.dumps({"trainer": {"run_dir": str(run)}}))
-    r = _mgrpo("train", "--resume", str(run))
+    r = mgrpo_inproc("train", "--resume", str(run))
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1] == (
         f"mgrpo train: config error: --resume {run}: no complete checkpoint under {run / 'checkpoints'} yet, "
@@ -109,7 +121,7 @@ def test_a_new_run_never_writes_over_checkpoints_and_resume_needs_one(tmp_path):
     step = run / "checkpoints" / "step_00000010"
     step.mkdir(parents=True)
     (step / META_FILE).write_text(json.dumps({"format": CHECKPOINT_FORMAT, "step": 10}))
-    r = _mgrpo("train", f"trainer.run_dir={run}")
+    r = mgrpo_inproc("train", f"trainer.run_dir={run}")
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1] == (
         f"mgrpo train: config error: trainer.run_dir={run} already holds a run with checkpoints (newest: "
@@ -118,12 +130,12 @@ def test_a_new_run_never_writes_over_checkpoints_and_resume_needs_one(tmp_path):
     assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.json"]  # nothing touched
 
 
-def test_bad_data_row_fails_before_any_rank_or_server_starts(tmp_path):
+def test_bad_data_row_fails_before_any_rank_or_server_starts(mgrpo_inproc, tmp_path):
     """A malformed JSONL row is reported in one line naming the file and line, with exit 2, before
     the ranks spawn and the vLLM server starts (which takes minutes on a 30B model)."""
     bad = tmp_path / "train.jsonl"
     bad.write_text('{"messages": [{"role": "user", "content": "<audio>hi"}]}\n')
-    r = _mgrpo("train", f"data.train_jsonl={bad}", f"trainer.run_dir={tmp_path / 'run'}")
+    r = mgrpo_inproc("train", f"data.train_jsonl={bad}", f"trainer.run_dir={tmp_path / 'run'}")
     assert r.returncode == 2, r.stderr[-2000:]
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith(f"mgrpo train: data error: {bad} line 1: missing 'audios'"), last
@@ -205,26 +217,26 @@ def test_zero_std_groups_are_counted_and_a_streak_is_announced_once(capsys):
     assert not _warn_no_signal(4, m, True)
 
 
-def test_unknown_reward_or_plugin_fails_before_any_rank_or_server_starts(tmp_path):
-    r = _mgrpo("train", "rollout.reward_funcs=[iuo]", f"trainer.run_dir={tmp_path / 'a'}")
+def test_unknown_reward_or_plugin_fails_before_any_rank_or_server_starts(mgrpo_inproc, tmp_path):
+    r = mgrpo_inproc("train", "rollout.reward_funcs=[iuo]", f"trainer.run_dir={tmp_path / 'a'}")
     assert r.returncode == 2, r.stderr[-2000:]
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("mgrpo train: config error: unknown reward function 'iuo' (did you mean 'iou'?); "
                            "registered: ['answer_chars', 'format', 'iou'"), last
-    r = _mgrpo("train", f"rollout.plugin={tmp_path / 'nope.py'}", f"trainer.run_dir={tmp_path / 'b'}")
+    r = mgrpo_inproc("train", f"rollout.plugin={tmp_path / 'nope.py'}", f"trainer.run_dir={tmp_path / 'b'}")
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1] == \
         f"mgrpo train: config error: plugin file not found: {tmp_path / 'nope.py'} (rollout.plugin)"
     assert not (tmp_path / "a" / "vllm-server.log").exists() and not (tmp_path / "b" / "vllm-server.log").exists()
 
 
-def test_unreachable_remote_server_fails_before_any_rank_starts(tmp_path):
+def test_unreachable_remote_server_fails_before_any_rank_starts(mgrpo_inproc, tmp_path):
     import socket
 
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{s.getsockname()[1]}"
-    r = _mgrpo("train", "rollout.server=remote", f"rollout.server_urls=[{url}]", f"trainer.run_dir={tmp_path}")
+    r = mgrpo_inproc("train", "rollout.server=remote", f"rollout.server_urls=[{url}]", f"trainer.run_dir={tmp_path}")
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1] == (
         f"mgrpo train: config error: rollout server {url} is unreachable (ConnectionError); is `mgrpo serve` "

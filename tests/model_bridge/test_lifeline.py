@@ -122,64 +122,132 @@ def test_a_rollout_failure_is_one_line_on_every_rank_with_the_trace_in_the_run_d
         src1.advantages(1, src1.rollout_and_score(1), lambda obj: sent[0])
 
 
+def _guards_of(parent_pid: int, pgid: int) -> list[int]:
+    """The `model_bridge.lifeline.guard_group` watchers among `parent_pid`'s children that guard `pgid`."""
+    try:
+        kids = psutil.Process(parent_pid).children()
+    except psutil.NoSuchProcess:
+        return []
+    out = []
+    for p in kids:
+        try:
+            cmd = p.cmdline()
+        except psutil.NoSuchProcess:
+            continue
+        if cmd[1:3] == ["-S", "-c"] and len(cmd) >= 3 and cmd[-2] == str(pgid):
+            out.append(p.pid)
+    return out
+
+
+def _group_gone(pgid) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return all(not _running(p.pid) for p in psutil.process_iter() if _pgid(p.pid) == pgid)
+
+
 @pytest.mark.slow
 def test_kill_9_of_mgrpo_train_leaves_no_rank_and_no_vllm_process(tmp_path):
-    """The embedded tiny job (2 ranks, a local vLLM server), killed with SIGKILL after its first step."""
+    """The embedded tiny job (2 ranks, a local vLLM server), killed with SIGKILL as soon as both
+    ranks run and rank 0's vLLM server has started (its API process, guarded by its watcher): the
+    ranks are spawned first and rank 0 starts the server, so this is the whole tree a training run
+    has. Every pid of that tree and every process of the server's group is gone within 10 s."""
     run = tmp_path / "run"
     log = tmp_path / "train.log"
     env = dict(os.environ, MGRPO_CACHE=str(CACHE / "embedded"), HF_HUB_OFFLINE="1")
+    seen = {}
+
+    def started():
+        try:
+            tree = psutil.Process(proc.pid).children(recursive=True)
+            ranks = [p for p in tree if "spawn_main" in " ".join(p.cmdline())]  # model_bridge.spawn's ranks
+        except psutil.NoSuchProcess:
+            return False
+        servers = [(r, _server_group(r.pid)) for r in ranks]
+        servers = [(r, pgid, group) for r, (pgid, group) in servers if pgid is not None]
+        if len(ranks) != 2 or not servers or not _guards_of(servers[0][0].pid, servers[0][1]):
+            return False
+        seen.update(tree=[p.pid for p in psutil.Process(proc.pid).children(recursive=True)], pgid=servers[0][1])
+        return True
+
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "launch.cli", "train", "trainer.steps=50",
                                  "checkpoint.every=0", "checkpoint.at_end=false", "logging.progress=false",
                                  f"trainer.run_dir={run}"], cwd=REPO, env=env, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        metrics = run / "metrics.jsonl"
-        _wait_for(lambda: metrics.exists() and metrics.read_text().strip(), 900, "step 1", proc, log)
-        tree = psutil.Process(proc.pid).children(recursive=True)
-        ranks = [p.pid for p in tree if "spawn_main" in " ".join(p.cmdline())]  # model_bridge.spawn's ranks
-        vllm = [p.pid for p in tree if "vllm" in " ".join(p.cmdline()) or p.name().startswith("VLLM")]
-        assert len(ranks) == 2 and vllm, [p.cmdline() for p in tree]
+        _wait_for(started, 900, "2 ranks and rank 0's vLLM server", proc, log)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
-        left = _wait_all_dead([p.pid for p in tree])
+        left = _wait_all_dead(seen["tree"])
         assert left == [], [(p, psutil.Process(p).cmdline()) for p in left]
+        assert _group_gone(seen["pgid"])  # also what the server started after we looked
     finally:
         _kill_tree_now(proc)
+        if "pgid" in seen:  # hygiene if an assertion failed: the group is no longer in the tree
+            try:
+                os.killpg(seen["pgid"], signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 HOLD_SERVER = '''
-import os, time
+import time
 def test_hold(vllm_server):
-    with open(os.environ["MGRPO_HOLD_PIDS"] + ".tmp", "w") as f:
-        f.write(str(vllm_server.proc.pid))
-    os.replace(os.environ["MGRPO_HOLD_PIDS"] + ".tmp", os.environ["MGRPO_HOLD_PIDS"])
     time.sleep(600)
 '''
 
 
+def _server_group(parent_pid: int) -> tuple[int | None, list[int]]:
+    """(pgid, pids) of the vLLM server's process group among `parent_pid`'s children (the server
+    runs in its own session: pgid = the API process's pid); (None, []) while there is none."""
+    try:
+        kids = psutil.Process(parent_pid).children()
+    except psutil.NoSuchProcess:
+        return None, []
+    for p in kids:
+        try:
+            if "vllm.entrypoints" in " ".join(p.cmdline()) and _pgid(p.pid) == p.pid:
+                return p.pid, [q.pid for q in psutil.process_iter() if _pgid(q.pid) == p.pid]
+        except psutil.NoSuchProcess:
+            pass
+    return None, []
+
+
 @pytest.mark.slow
 def test_kill_9_of_a_pytest_run_stops_its_vllm_server_fixture(tmp_path):
-    """A pytest run holding the session `vllm_server` fixture, killed with SIGKILL."""
+    """A pytest run whose test needs the session `vllm_server` fixture (started in the background
+    when collection ends), killed with SIGKILL while that server is still starting: as soon as its
+    process group holds the API process and the engine core. Every process of the group, and the
+    watcher that guards it, is gone within 10 s."""
     inner = REPO / "tests" / f"_hold_vllm_server_{os.getpid()}.py"  # under tests/: tests/conftest.py applies
     inner.write_text(HOLD_SERVER)
-    pids_file = tmp_path / "server.pid"
     log = tmp_path / "pytest.log"
+    pgid = None
     try:
         with open(log, "wb") as out:
             proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(inner)],
-                                    cwd=REPO, env=dict(os.environ, MGRPO_HOLD_PIDS=str(pids_file)),
-                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                                    cwd=REPO, env=dict(os.environ), stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
         try:
-            _wait_for(pids_file.exists, 900, "the vllm_server fixture", proc, log)
-            server = int(pids_file.read_text())
-            group = [p.pid for p in psutil.process_iter() if _pgid(p.pid) == server]
-            assert server in group and len(group) >= 2, group  # the API process and its engine core
+            _wait_for(lambda: len(_server_group(proc.pid)[1]) >= 2, 600,
+                      "the vllm_server fixture's API process and engine core", proc, log)
+            pgid, group = _server_group(proc.pid)
+            watchers = _guards_of(proc.pid, pgid)
+            assert len(watchers) == 1, [p.cmdline() for p in psutil.Process(proc.pid).children()]
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
-            assert _wait_all_dead(group) == []
+            left = _wait_all_dead(group + watchers)
+            assert left == [], [(p, psutil.Process(p).cmdline()) for p in left]
+            assert _group_gone(pgid)  # also what the server started after we looked
         finally:
             _kill_tree_now(proc)
+            if pgid is not None:  # hygiene if the assertion failed: the group is no longer in the tree
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
     finally:
         inner.unlink()
 

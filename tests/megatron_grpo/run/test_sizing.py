@@ -97,7 +97,7 @@ def test_max_audio_seconds_defaults_to_the_models_40_minutes():
                    "VLLM_MAX_AUDIO_DECODE_BYTES": str(2401 * 48000 * 4)}
 
 
-def test_rows_that_cannot_fit_are_refused_before_start_up_one_line_each(tiny_ckpt, tmp_path):
+def test_rows_that_cannot_fit_are_refused_before_start_up_one_line_each(mgrpo_inproc, tiny_ckpt, tmp_path):
     """With serve.max_model_len=8192 neither a 20-minute recording (~16k prompt tokens) nor a
     40-minute one fits: one line per row, exit 2, no rank and no server started."""
     from transformers import AutoTokenizer
@@ -113,7 +113,7 @@ def test_rows_that_cannot_fit_are_refused_before_start_up_one_line_each(tiny_ckp
                 for row in read_jsonl(jsonl, DataConfig()))
     assert 15_600 < n20 < 16_200 and 31_200 < n40 < 31_800, (n20, n40)
     run = tmp_path / "run"
-    r = _mgrpo("train", f"data.train_jsonl={jsonl}", "serve.max_model_len=8192", f"trainer.run_dir={run}")
+    r = mgrpo_inproc("train", f"data.train_jsonl={jsonl}", "serve.max_model_len=8192", f"trainer.run_dir={run}")
     assert r.returncode == 2, r.stderr[-3000:]
     fix = "raise serve.max_model_len (the model allows 32768) or set it to auto"
     assert r.stderr.strip().splitlines()[-2:] == [
@@ -123,7 +123,7 @@ def test_rows_that_cannot_fit_are_refused_before_start_up_one_line_each(tiny_ckp
         f"generate within serve.max_model_len=8192: {fix}"]
     assert "vllm" not in (r.stdout + r.stderr).lower() and not run.exists()
     # rollout.max_total_tokens is a limit too
-    r = _mgrpo("train", f"data.train_jsonl={jsonl}", "rollout.max_total_tokens=20000", f"trainer.run_dir={run}")
+    r = mgrpo_inproc("train", f"data.train_jsonl={jsonl}", "rollout.max_total_tokens=20000", f"trainer.run_dir={run}")
     assert r.returncode == 2
     assert r.stderr.strip().splitlines()[-1] == (
         f"mgrpo train: data error: {jsonl} line 2: the prompt needs {n40} tokens (40.0 min of audio), no room to "
