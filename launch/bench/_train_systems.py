@@ -81,7 +81,7 @@ class TrainBench:
     def train(self) -> dict:
         """``mgrpo train``'s step 3-4 as it runs (one sync, at the end)."""
         from megatron_grpo.engine.step import train_step
-        from megatron_grpo.guard import StepSchedule, check_schedule
+        from megatron_grpo.hang import StepSchedule, check_schedule
         from megatron_grpo.packing import plan_step
 
         self.step_no += 1
@@ -98,7 +98,7 @@ class TrainBench:
     def train_split(self) -> dict:
         """The same calls as :meth:`train` (``train_step``'s body inlined) with a sync between parts."""
         from megatron_grpo.engine.step import forward_backward, optimizer_update
-        from megatron_grpo.guard import StepSchedule, check_schedule
+        from megatron_grpo.hang import StepSchedule, check_schedule
         from megatron_grpo.packing import plan_step
 
         self.step_no += 1
