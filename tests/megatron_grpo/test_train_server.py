@@ -44,10 +44,14 @@ def test_local_server_runs_in_the_trainers_dtype(tmp_path):
 @pytest.fixture(scope="module")
 def train_server(vllm_server, tiny_ckpt):
     """The server exactly as `mgrpo train` starts it for the tiny checkpoint (rollout.server local):
-    the session server is started from that very spec (tests/conftest.py), checked here."""
+    the session server is started from that very spec (tests/conftest.py), checked here; it is the
+    server of a run with rollout.return_routed_experts (R3), which returns routes besides."""
     from dataclasses import replace
 
-    spec = replace(local_server_spec(_cfg(tiny_ckpt)), port=vllm_server.spec.port)
+    from megatron_grpo.rollout.config import RolloutConfig
+
+    cfg = _cfg(tiny_ckpt, rollout=RolloutConfig(return_routed_experts=True))
+    spec = replace(local_server_spec(cfg), port=vllm_server.spec.port)
     assert vllm_server.spec == spec and build_command(vllm_server.spec) == build_command(spec)
     return vllm_server
 
