@@ -208,7 +208,8 @@ def _server_group(parent_pid: int) -> tuple[int | None, list[int]]:
         return None, []
     for p in kids:
         try:
-            if "vllm.entrypoints" in " ".join(p.cmdline()) and _pgid(p.pid) == p.pid:
+            cmd = " ".join(p.cmdline())  # vLLM's API server, or ours when it returns routes (R3 on CPU)
+            if ("vllm.entrypoints" in cmd or "megatron_grpo.rollout.vllm_serve" in cmd) and _pgid(p.pid) == p.pid:
                 return p.pid, [q.pid for q in psutil.process_iter() if _pgid(q.pid) == p.pid]
         except psutil.NoSuchProcess:
             pass
