@@ -122,6 +122,16 @@ def _exit_on_sigterm() -> None:
         signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
+def _default_sigterm() -> None:
+    """SIGTERM back to its default once the run is closed: a rank the spawner stops while it runs
+    its exit handlers then ends quietly instead of raising SystemExit inside them."""
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 @dataclass
 class Run:
     """Everything the loop uses, built once by :func:`build_run` (on every rank)."""
@@ -331,7 +341,10 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
     finally:
         src.close()  # waits for a background rollout, with the preemption handler still in place
         preempt.restore()
-        run.close()
+        try:
+            run.close()
+        finally:
+            _default_sigterm()
     return 0
 
 
