@@ -62,7 +62,9 @@ class RouteReplay:
         if ids_TLK is not None and ids_TLK.dim() != 3:
             raise ValueError(f"routes must be [tokens, layers, top_k], got {tuple(ids_TLK.shape)}")
         self.record = record
-        self.ids_TLK = ids_TLK if not record else None
+        # each row's experts ascending, sorted once for all layers: the agreement check compares
+        # them with the router's own (ascending) choice, and the dispatcher takes them as they are
+        self.ids_TLK = ids_TLK.sort(dim=-1).values if not record else None
         self._shape = (num_tokens, num_layers, topk) if record else tuple(ids_TLK.shape)
         self._counts: dict[str, torch.Tensor] = {}
 
@@ -142,18 +144,22 @@ def _check_supported(args, kw) -> None:
                                   "expert groups (the Qwen3-Omni router); this router uses another")
 
 
-def _replayed_routing(rp: RouteReplay, layer_number, logits_NE: torch.Tensor, topk: int, kw: dict):
-    """megatron's ``topk_routing_with_score_function`` with the experts of ``rp``'s rows (module doc)."""
+def _replayed_routing(rp: RouteReplay, layer_number, own_out, logits_NE: torch.Tensor, topk: int, kw: dict):
+    """megatron's ``topk_routing_with_score_function`` with the experts of ``rp``'s rows (module doc).
+    ``own_out`` is the router's own routing of the same logits (the fused kernel where it applies):
+    tokens without a row keep it, and the load-balancing loss counts it (module doc)."""
     pre_softmax = kw.get("use_pre_softmax", False)
-    scores_NE = torch.softmax(logits_NE, dim=-1, dtype=torch.float32).type_as(logits_NE) if pre_softmax else None
     with torch.no_grad():
-        own_NK = torch.topk(scores_NE if pre_softmax else logits_NE, k=topk, dim=1).indices
+        own_NK = _chosen(own_out, kw, topk)
+        if getattr(own_NK, "_mgrpo_ascending", False) is False:
+            own_NK = own_NK.sort(dim=1).values
     rep_NK = rp.rows(layer_number, logits_NE.shape[0], logits_NE.device)
     if rep_NK.shape[1] != topk:
         raise ValueError(f"routing replay: routes hold {rep_NK.shape[1]} experts per token, the router picks {topk}")
-    has_N = (rep_NK >= 0).all(dim=1)
-    idx_NK = torch.where(has_N[:, None], rep_NK, own_NK)
+    has_N = rep_NK[:, 0] >= 0  # a row is all experts or all -1 (ascending: -1 comes first)
+    idx_NK = torch.where(has_N[:, None], rep_NK, own_NK)  # ascending either way
     if pre_softmax:
+        scores_NE = torch.softmax(logits_NE, dim=-1, dtype=torch.float32).type_as(logits_NE)
         probs_NK = scores_NE.gather(1, idx_NK)
     else:
         probs_NK = torch.softmax(logits_NE.gather(1, idx_NK), dim=-1, dtype=torch.float32).type_as(logits_NE)
@@ -161,12 +167,14 @@ def _replayed_routing(rp: RouteReplay, layer_number, logits_NE: torch.Tensor, to
     if scaling:
         probs_NK = probs_NK * scaling
     with torch.no_grad():
-        same_N = (own_NK.sort(dim=1).values == rep_NK.sort(dim=1).values).all(dim=1) & has_N
-        rp._add(pairs=logits_NE.shape[0], rows=has_N.sum(), agree=same_N.sum())
+        rp._add(pairs=logits_NE.shape[0], rows=has_N.sum(), agree=((own_NK == rep_NK).all(dim=1) & has_N).sum())
     if kw.get("dense_output", False):  # megatron >= 0.19: ([N, k] probs, [N, k] indices)
         return probs_NK, idx_NK
     routing_probs_NE = torch.zeros_like(logits_NE).scatter(1, idx_NK, probs_NK)
-    routing_map_NE = torch.zeros_like(logits_NE, dtype=torch.int32).scatter(1, idx_NK, 1).bool()
+    routing_map_NE = torch.zeros_like(logits_NE, dtype=torch.bool).scatter_(1, idx_NK, True)
+    # the experts, ascending, ride on the map to the torch backend's dispatcher (as the fused
+    # routing kernel's do, routing.py), which would otherwise recover them from the map
+    routing_map_NE._mgrpo_topk_idx = idx_NK
     return routing_probs_NE, routing_map_NE
 
 
@@ -175,8 +183,11 @@ def _chosen(out, kw, topk: int) -> torch.Tensor:
     if kw.get("dense_output", False):
         return out[1]
     map_NE = out[1]
-    idx = getattr(map_NE, "_mgrpo_topk_idx", None)
-    return idx if idx is not None else torch.topk(map_NE.to(torch.float16), k=topk, dim=1).indices
+    idx = getattr(map_NE, "_mgrpo_topk_idx", None)  # ascending (routing.py)
+    if idx is not None:
+        idx._mgrpo_ascending = True
+        return idx
+    return torch.topk(map_NE.to(torch.float16), k=topk, dim=1).indices
 
 
 def _wrap_routing(inner):
@@ -192,7 +203,9 @@ def _wrap_routing(inner):
             with torch.no_grad():
                 rp.store(layer, _chosen(out, kw, topk))
             return out
-        return _replayed_routing(rp, layer, logits, topk, kw)
+        # the router's own routing first (one fused kernel where it applies, with the aux loss),
+        # then the replayed experts' gate weights from the same logits
+        return _replayed_routing(rp, layer, inner(logits, topk, *args, **kw), logits, topk, kw)
 
     topk_routing_with_score_function._mgrpo_replay = True
     return topk_routing_with_score_function

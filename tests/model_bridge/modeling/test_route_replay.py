@@ -93,3 +93,18 @@ def test_replay_routes_exactly_and_router_learns():
         assert r["probs_err"] < 1e-6 and r["grad_err"] < 1e-5 and r["grad_max"] > 0, where
         assert r["counts"] == {"pairs": 12.0, "rows": 10.0, "agree": float(r["agree_want"])}, where
         assert r["record_ok"] and r["record_other_layers"] == 0, where
+
+
+def test_replay_over_the_fused_routing_kernel_interpreted():
+    """The same with the torch backend's router on its fused routing kernel (Triton's interpreter):
+    the replay starts from the kernel's own routing and must still route and learn exactly."""
+    from megatron_grpo.testing.interpreted import run_interpreted
+    from model_bridge.modeling.routing import _kernels
+
+    res = run_interpreted(_kernels, _rank_replay, timeout=300)
+    for name, r in res.items():
+        where = f"{name}: {r}"
+        assert r["map_ok"] and r["own_differs"] >= 8, where
+        assert r["probs_err"] < 1e-6 and r["grad_err"] < 1e-5 and r["grad_max"] > 0, where
+        assert r["counts"] == {"pairs": 12.0, "rows": 10.0, "agree": float(r["agree_want"])}, where
+        assert r["record_ok"] and r["record_other_layers"] == 0, where
