@@ -108,7 +108,11 @@ def rank_lengths(lengths: list[int], rank: int, seed: int) -> list[int]:
     return [lengths[i] for i in order]
 
 
-def _base_lengths(tokens: int | None, tiny: bool) -> list[int]:
+def _base_lengths(tokens, tiny: bool) -> list[int]:
+    """The batch's lengths: ``tokens`` as a list is the batch itself (``--lengths``), an int rescales
+    the documented batch to about that many tokens (``--tokens``), None is the documented batch."""
+    if isinstance(tokens, (list, tuple)):
+        return [int(n) for n in tokens]
     if tiny and not tokens:
         return [max(8, n // 40) for n in DEFAULT_LENGTHS]
     return lengths_for(tokens)

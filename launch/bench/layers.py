@@ -46,7 +46,8 @@ Batch (``DEFAULT_LENGTHS``, documented): 16 multi-turn audio-agent trajectories 
 tokens, 22,800 in all: each is a prompt with a 30-200 s recording (13 audio tokens per second),
 one to three ``crop_audio`` tool turns returning 5-30 s clips, and short assistant turns. Token ids
 are random (routing is what matters for speed; weights are random N(0, 0.02) with HF's init).
-``--tokens T`` rescales the lengths to about T tokens in all.
+``--tokens T`` rescales the lengths to about T tokens in all; ``--lengths 31500`` replaces the batch
+(one 31,500-token trajectory: a 40-minute recording at 13 audio tokens per second and its turns).
 
 Useful FLOPs (fwd+bwd = 3 x forward; padding, recomputation, norms, RoPE, embedding and the
 router's softmax not counted), per layer over the real tokens ``T`` and samples of length ``L_i``:
@@ -188,7 +189,19 @@ def _cmd(args: argparse.Namespace) -> int:
         print(f"mgrpo bench layers: --systems: unknown {', '.join(unknown)}; choose from {','.join(known)}",
               file=sys.stderr)
         return 2
-    run_bench(args.out, layers=args.layers, tokens=args.tokens, ep=args.ep, tiny=args.tiny, systems=systems,
+    if args.lengths and args.tokens:
+        print("mgrpo bench layers: give --tokens (rescale the documented batch) or --lengths (the batch "
+              "itself), not both", file=sys.stderr)
+        return 2
+    try:
+        lengths = [int(x) for x in args.lengths.split(",") if x] if args.lengths else None
+    except ValueError:
+        lengths = None
+    if args.lengths and (not lengths or min(lengths) < 2):
+        print(f"mgrpo bench layers: --lengths {args.lengths!r}: give comma-separated token counts >= 2, e.g. "
+              f"--lengths 31500", file=sys.stderr)
+        return 2
+    run_bench(args.out, layers=args.layers, tokens=lengths or args.tokens, ep=args.ep, tiny=args.tiny, systems=systems,
               warmup=args.warmup, iters=args.iters, seed=args.seed, device=args.device, mb_tokens=args.mb_tokens,
               dtype=args.dtype, hang_timeout_s=args.hang_timeout, timeout_s=args.timeout)
     return 0
@@ -200,6 +213,9 @@ def add_parser(bsub) -> argparse.ArgumentParser:
     s.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
     s.add_argument("--tokens", type=int, default=None,
                    help="total tokens of the batch (default: the documented 16-sample batch, 22,800 tokens)")
+    s.add_argument("--lengths", default=None,
+                   help="comma-separated token counts of the batch's samples, replacing the documented batch "
+                        "(e.g. 31500: one 40-minute recording's trajectory)")
     s.add_argument("--ep", type=int, default=1,
                    help="expert-parallel ranks (> 1: ours only; an EP1 baseline on GPU 0, then N ranks with their "
                         "own micro-batch each: per-GPU throughput, ratio to EP1, per-rank loss check)")
