@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
 from ._triton import import_triton, triton_runs_on
+from .empty_groups import zero_empty_group_grads
 from .permute import select_rows
 from .recompute import ROWS_OF_ATTR, RecomputeSaved
 
@@ -145,7 +146,8 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: Optional[torch.Tensor
     ``counts`` (host ints) is needed only by the loop fallback; it is read from ``offs`` otherwise.
     """
     if offs is not None and grouped_mm_available(x.device, x.dtype) and w.dtype == x.dtype:
-        return F.grouped_mm(x, w.transpose(-2, -1), offs=offs)
+        # grouped_mm leaves the weight gradient of empty groups uninitialised (empty_groups.py)
+        return F.grouped_mm(x, zero_empty_group_grads(w, offs).transpose(-2, -1), offs=offs)
     if counts is None:
         o = [int(v) for v in offs.tolist()]
         counts = [b - a for a, b in zip([0] + o[:-1], o)]
