@@ -142,13 +142,14 @@ class TrainerSection:
     """On GPU, replay each training micro-batch's decoder stack from a CUDA graph captured once per
     bucket shape (``engine/graphs.py``: micro-batches padded to a quarter, half, three quarters or
     all of the token budget); falls back to eager with one logged reason where it does not apply
-    (CPU, PP > 1, EP > 1, TP > 1, recomputation, a non-torch layer spec). Off by default: the one
-    full-width run with it (and ``device_features``) on gave non-finite gradient norms that are not
-    yet traced (docs/performance.md, "Training phase"); graphs equal eager at tiny width."""
-    device_features: bool = False
+    (CPU, PP > 1, EP > 1, TP > 1, recomputation, a non-torch layer spec). Off by default: at full
+    width (128 experts) the last decoder layer's expert ``weight2`` gradient comes out NaN under
+    graphs and finite eagerly (docs/performance.md, "Training phase"); graphs equal eager at tiny
+    width."""
+    device_features: bool = True
     """On GPU, compute the audio clips' log-mel features on the device
-    (``data/device_features.py``, the Whisper extractor's math in torch) instead of on the host;
-    ignored on CPU. Off by default for the same untraced full-width run as ``cuda_graphs``."""
+    (``data/device_features.py``, the Whisper extractor's math in torch, within 2e-3 of it) instead
+    of on the host; ignored on CPU."""
 
     def __post_init__(self):
         if self.steps < 1 or self.prompts_per_step < 1:

@@ -14,6 +14,8 @@ GPU cuFFT's and the GEMM's rounding differ from the CPU's, checked at max abs di
 """
 from __future__ import annotations
 
+import logging
+
 from typing import Sequence
 
 import numpy as np
@@ -63,7 +65,11 @@ def trainer_featurizer(feature_extractor, device_features: bool = True):
     when ``device_features`` and CUDA is there, else the host extractor
     (``engine.batch.featurizer_from_extractor``)."""
     if device_features and torch.cuda.is_available():
-        return DeviceFeaturizer(feature_extractor, torch.device("cuda", torch.cuda.current_device()))
+        if float(getattr(feature_extractor, "dither", 0.0)) == 0.0:
+            return DeviceFeaturizer(feature_extractor, torch.device("cuda", torch.cuda.current_device()))
+        logging.getLogger("megatron_grpo.data").warning(
+            "trainer.device_features: the feature extractor dithers (dither=%s, random per call); "
+            "featurising on the host instead", feature_extractor.dither)
     from megatron_grpo.engine.batch import featurizer_from_extractor
 
     return featurizer_from_extractor(feature_extractor)

@@ -1,12 +1,12 @@
 """Zero weight gradients for the experts that received no rows.
 
 ``F.grouped_mm``'s weight gradient (the 2-D x 2-D grouped GEMM, ``[E, out, in]``) is allocated
-uninitialised, and its kernel skips the groups of zero rows: an expert that received no tokens in a
-micro-batch gets whatever the memory held as its gradient (PyTorch issue 172439, MSLK pull 158).
-Fresh memory happens to be zeros, so short runs look right; reused memory -- a CUDA graph's pool
-(``trainer.cuda_graphs``), a long run's caching allocator -- adds garbage, often NaN, to those
-experts' gradients. With 128 experts and micro-batches of a few thousand tokens, later layers
-routinely leave tens of experts empty.
+uninitialised, and some of its kernels skip the groups of zero rows: an expert that received no
+tokens in a micro-batch then gets whatever the memory held as its gradient (PyTorch issue 172439 on
+Blackwell, ROCm pull 174314, MSLK pull 158; not every GPU and version, so it is not left to chance).
+Fresh memory happens to be zeros, so short runs look right; reused memory (a CUDA graph's pool,
+a long run's caching allocator) can hold anything, NaN included. With 128 experts and micro-batches
+of a few thousand tokens, later layers routinely leave tens of experts empty.
 
 :func:`zero_empty_group_grads` is an identity on the expert weight whose backward zeroes the
 gradient slices of the empty groups in place: one Triton launch on CUDA whose programs return at

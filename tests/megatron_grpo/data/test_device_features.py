@@ -49,3 +49,22 @@ def test_dither_is_refused():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_matches_extractor():
     _check("cuda", 2e-3)
+
+
+def test_a_dithering_extractor_featurises_on_the_host_with_one_warning(monkeypatch, caplog):
+    """``trainer.device_features`` (on by default) with an extractor that dithers: the trainer uses
+    the host extractor and says why, instead of failing at start-up."""
+    from megatron_grpo.data.device_features import trainer_featurizer
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    fe = _extractor()
+    fe.dither = 0.5
+    with caplog.at_level("WARNING", logger="megatron_grpo.data"):
+        feat = trainer_featurizer(fe, True)
+    assert not isinstance(feat, DeviceFeaturizer)
+    assert [r.getMessage() for r in caplog.records] == [
+        "trainer.device_features: the feature extractor dithers (dither=0.5, random per call); featurising on "
+        "the host instead"]
+    with pytest.raises(NotImplementedError, match="dithers"):
+        DeviceFeaturizer(fe, "cpu")
