@@ -339,7 +339,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(
         num_generations=8, max_turns=2, max_new_tokens=24, temperature=1.0,
-        reward_funcs=["answer_chars", "format"], reward_weights=[1.0, 1.0]))
+        reward_funcs=["answer_chars", "format"]))
     serve: ServeConfig = field(default_factory=ServeConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     importance: ISConfig = field(default_factory=ISConfig)
@@ -389,8 +389,10 @@ def serve_dtype(cfg: TrainConfig) -> str:
 
 
 def load_train_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> TrainConfig:
-    """Defaults <- YAML <- dotted overrides; errors name the key (ConfigKeyError)."""
-    return load_config(TrainConfig, path, overrides)
+    """Defaults <- YAML <- dotted overrides; errors name the key (ConfigKeyError). Without a YAML the
+    defaults are the embedded job's (``TrainConfig()``), so ``mgrpo train rollout.overlap=true`` is
+    that job with one change; a YAML starts from the sections' own defaults (it is the whole config)."""
+    return load_config(TrainConfig, path, overrides, base=TrainConfig() if path is None else None)
 
 
 if __name__ == "__main__":

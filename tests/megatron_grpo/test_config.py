@@ -65,3 +65,16 @@ def test_configuration_doc_is_generated_from_the_tree():
     doc = (REPO / "docs" / "configuration.md").read_text()
     assert doc.strip() == render_markdown(TrainConfig, "Configuration reference (`mgrpo train`)").strip(), \
         "docs/configuration.md is stale: regenerate with `python -m megatron_grpo.config --docs > docs/configuration.md`"
+
+
+def test_overrides_without_a_yaml_change_the_embedded_job_and_nothing_else():
+    """``mgrpo train rollout.overlap=true``: the embedded job with one change (not the rollout
+    section's class defaults, which use other rewards and longer turns)."""
+    import dataclasses
+
+    base = TrainConfig()
+    cfg = load_train_config(None, ["rollout.overlap=true"])
+    assert cfg.rollout == dataclasses.replace(base.rollout, overlap=True)
+    assert dataclasses.replace(cfg, rollout=base.rollout) == base
+    one = load_train_config(None, ["rollout.reward_funcs=[format]"])
+    assert one.rollout.reward_funcs == ["format"] and one.rollout.max_new_tokens == base.rollout.max_new_tokens

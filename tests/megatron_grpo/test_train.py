@@ -27,16 +27,8 @@ REWARD_MARGIN = 0.05
 
 
 def _remote(server) -> list[str]:
-    """Overrides for a run on `server` that is otherwise the embedded default: a dotted rollout.*
-    override rebuilds the rollout section from RolloutConfig's own defaults (other rewards, 1024
-    tokens per turn), so the embedded default's rollout settings are given as well."""
-    from megatron_grpo.config import TrainConfig
-
-    r = TrainConfig().rollout
-    keep = {k: getattr(r, k) for k in ("num_generations", "max_turns", "max_new_tokens", "temperature",
-                                       "reward_funcs", "reward_weights")}
-    return ["rollout.server=remote", f"rollout.server_urls=[{server.url}]",
-            *(f"rollout.{k}={json.dumps(v)}" for k, v in keep.items())]
+    """Overrides for a run on `server` that is otherwise the embedded default."""
+    return ["rollout.server=remote", f"rollout.server_urls=[{server.url}]"]
 
 
 def _mgrpo(*args, env_extra=None, timeout=1500):
