@@ -113,6 +113,22 @@ def test_dtype_takes_both_spellings():
         p.parse_args(["bench", "layers", "--dtype", "fp64"])
 
 
+def test_lengths_are_the_batch_and_bad_ones_are_refused(capsys):
+    """``--lengths 31500``: the batch is exactly those trajectories; a bad list or one given with
+    ``--tokens`` is one line on stderr and exit 2 before anything runs."""
+    from launch.bench._layers_geometry import _base_lengths
+    from launch.cli import main
+
+    assert _base_lengths([31500], tiny=False) == [31500] and _base_lengths([700, 90], tiny=True) == [700, 90]
+    for argv, want in ((["--lengths", "5,x"], "mgrpo bench layers: --lengths '5,x': give comma-separated token "
+                                              "counts >= 2, e.g. --lengths 31500"),
+                       (["--lengths", "31500", "--tokens", "9000"],
+                        "mgrpo bench layers: give --tokens (rescale the documented batch) or --lengths (the batch "
+                        "itself), not both")):
+        assert main(["bench", "layers", *argv]) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == want
+
+
 def test_sync_tally_leaves_out_the_mode_switch():
     """The bench's host-sync count: a sync warning attributed to torch's ``set_sync_debug_mode``
     (the switch itself) is not the step's; one from any other line, torch's ``synchronize``
