@@ -57,6 +57,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from megatron_grpo.engine.reshard import (FULLY_RESHARDABLE, check_resumable, describe_layout, layout_changed,
+                                          optimizer_metadata, repad_vocab, unpad_vocab, vocab_keys)
 from model_bridge.dist_ckpt.runs import (CHECKPOINT_FORMAT, DEL_PREFIX, LATEST_FILE, META_FILE, TMP_PREFIX,
                                          checkpoint_root, find_latest_checkpoint, list_checkpoints, read_run_meta,
                                          step_dirname, warn_checkpoint)
@@ -67,7 +69,7 @@ __all__ = ["save_checkpoint", "load_checkpoint", "find_latest_checkpoint", "list
 
 log = logging.getLogger(__name__)
 
-DEFAULT_OPTIMIZER_SHARDING = "dp_reshardable"
+DEFAULT_OPTIMIZER_SHARDING = FULLY_RESHARDABLE
 
 
 class CheckpointError(RuntimeError):
@@ -235,6 +237,30 @@ def _prepare_optimizer_for_loading(optimizer) -> None:
                     inner.state[p] = st
 
 
+def _keep_adam_step_on_load(optimizer) -> None:
+    """megatron's ``fully_reshardable`` load copies every state of the inner optimizer from the
+    checkpoint, but stores no ``step`` (the param groups carry it): with torch's Adam, whose state
+    holds ``step``, it would raise KeyError. Keys the checkpoint lacks keep their current value."""
+    try:
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    except ImportError:  # pragma: no cover
+        return
+    for sub in _inner_optimizers(optimizer):
+        if not isinstance(sub, DistributedOptimizer) or not _is_torch_adam(getattr(sub, "optimizer", None)) \
+                or "_set_main_param_and_optimizer_states" in vars(sub):
+            continue
+        original = sub._set_main_param_and_optimizer_states
+
+        def keep_missing(model_param, tensors, _sub=sub, _original=original):
+            group_index, group_order = _sub.model_param_group_index_map[model_param]
+            main_param = _sub.optimizer.param_groups[group_index]["params"][group_order]
+            for k, v in _sub.optimizer.state[main_param].items():
+                tensors.setdefault(k, v)
+            return _original(model_param, tensors)
+
+        sub._set_main_param_and_optimizer_states = keep_missing
+
+
 def _fix_shared_adam_steps(optimizer) -> None:
     """One ``step`` tensor per parameter, with the value megatron restored into the param groups."""
     for sub in _inner_optimizers(optimizer):
@@ -251,8 +277,27 @@ def _fix_shared_adam_steps(optimizer) -> None:
 
 
 def _optimizer_sharded_state_dict(optimizer, model_sd: dict, is_loading: bool, sharding: str):
-    return optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
-                                        metadata={"distrib_optim_sharding_type": sharding})
+    return optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=optimizer_metadata(sharding))
+
+
+def _sharded_state_dict(chunks, optimizer, is_loading: bool, sharding: str, unpadded: bool) -> tuple[dict, list]:
+    """Model chunks (+ optimizer) as stored; with ``unpadded`` the vocab-parallel tensors (and
+    their optimizer states) hold the real vocab's rows only. Returns ``(sd, changed)`` for
+    :func:`repad_vocab`."""
+    sd: dict = {}
+    for key, chunk in zip(_model_keys(len(chunks)), chunks):
+        sd[key] = chunk.sharded_state_dict()
+    if optimizer is not None:
+        sd["optimizer"] = _optimizer_sharded_state_dict(optimizer, sd, is_loading, sharding)
+    changed: list = []
+    if unpadded and chunks:
+        keys = vocab_keys([sd[k] for k in _model_keys(len(chunks))])
+        changed = unpad_vocab(sd, keys, chunks[0].spec.text.vocab_size)
+    return sd, changed
+
+
+def _host_rng(state: dict) -> dict:
+    return {k: state[k] for k in ("python", "numpy", "torch_cpu")}
 
 
 def _layout_info() -> dict:
@@ -377,11 +422,7 @@ def save_checkpoint(run_dir: os.PathLike | str, step: int, model_chunks, optimiz
     with collective(f"save_checkpoint(step {step})"):
         try:
             chunks = _chunks(model_chunks)
-            sd: dict = {}
-            for key, chunk in zip(_model_keys(len(chunks)), chunks):
-                sd[key] = chunk.sharded_state_dict()
-            if optimizer is not None:
-                sd["optimizer"] = _optimizer_sharded_state_dict(optimizer, sd, False, optimizer_sharding)
+            sd, _ = _sharded_state_dict(chunks, optimizer, False, optimizer_sharding, unpadded=True)
             sd["scheduler"] = scheduler.state_dict() if scheduler is not None else None
             sd["mgrpo"] = {"format": CHECKPOINT_FORMAT, "step": step}
             sd["rank_state"] = ShardedObject("mgrpo.rank_state", _pack({"rng": rng_state(), "extra": extra_state}),
@@ -398,6 +439,7 @@ def save_checkpoint(run_dir: os.PathLike | str, step: int, model_chunks, optimiz
                     "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "save_seconds": round(time.monotonic() - t0, 3),
                     "layout": _layout_info(), "num_model_chunks": len(_chunks(model_chunks)),
                     "optimizer": optimizer is not None, "optimizer_sharding": optimizer_sharding,
+                    "vocab_unpadded": True,
                     "scheduler": scheduler is not None, "versions": _versions()}
             _write_text_atomic(tmp / META_FILE, json.dumps(meta, indent=1) + "\n")
             _fsync_dir(tmp)
@@ -420,6 +462,32 @@ def save_checkpoint(run_dir: os.PathLike | str, step: int, model_chunks, optimiz
 # ------------------------------------------------------------------------------------------------
 # load
 # ------------------------------------------------------------------------------------------------
+
+
+def _resume_moved_rng(ckpt: Path, saved: dict, now: dict, states: list, load_rng: bool) -> None:
+    """RNG at another layout: the host streams (Python, NumPy, torch CPU) continue from the saved
+    ones when every saved rank had the same (the usual case: one seed, rank-independent draws);
+    the device streams and megatron's TP/EP RNG tracker are seeded per TP/EP/PP coordinate, which
+    the new layout does not have, so they start from the run's seed. Logged once, on rank 0."""
+    host = [pickle.dumps(_host_rng(s["rng"])) for s in states]
+    agree = all(h == host[0] for h in host)
+    if load_rng and agree:
+        st = states[0]["rng"]
+        random.setstate(st["python"])
+        np.random.set_state(st["numpy"])
+        torch.set_rng_state(st["torch_cpu"])
+    if _rank() != 0:
+        return
+    log.warning("resuming %s at another layout: %s -> %s", ckpt, describe_layout(saved), describe_layout(now))
+    if not load_rng:
+        return
+    host_line = ("the host RNG streams (Python, NumPy, torch CPU) continue from the checkpoint" if agree else
+                 "the host RNG streams are not restored (the saved ranks' differ, so no one of them is right for "
+                 "every new rank)")
+    warn_checkpoint(f"{ckpt} was saved at {describe_layout(saved)}, this run has {describe_layout(now)}: "
+                    f"{host_line}; the device RNG streams and megatron's TP/EP RNG tracker (dropout) are seeded "
+                    "per parallel rank, which the new layout does not have, so they restart from the seed and the "
+                    "run is not bit-identical to one without the layout change; every rank gets rank 0's extra state")
 
 
 def load_checkpoint(run_dir: os.PathLike | str, model_chunks, optimizer, scheduler, *,
@@ -462,18 +530,21 @@ def load_checkpoint(run_dir: os.PathLike | str, model_chunks, optimizer, schedul
             if meta.get("num_model_chunks", 1) != len(chunks):
                 raise CheckpointError(f"{ckpt} holds {meta.get('num_model_chunks')} model chunk(s), this run has "
                                       f"{len(chunks)} (virtual pipeline size must match)")
-            saved_world = int(meta["layout"]["world_size"])
-            same_world = saved_world == _world()
+            saved_layout, now = meta["layout"], _layout_info()
+            try:
+                check_resumable(ckpt, meta, now)
+            except ValueError as e:
+                raise CheckpointError(str(e)) from None
+            saved_world = int(saved_layout["world_size"])
+            moved = layout_changed(saved_layout, now) or saved_world != _world()
             with_opt = load_optimizer and optimizer is not None and meta.get("optimizer", True)
             if with_opt:
                 _prepare_optimizer_for_loading(optimizer)
-            sd: dict = {}
-            for key, chunk in zip(_model_keys(len(chunks)), chunks):
-                sd[key] = chunk.sharded_state_dict()
-            if with_opt:
-                sd["optimizer"] = _optimizer_sharded_state_dict(
-                    optimizer, sd, True, meta.get("optimizer_sharding", DEFAULT_OPTIMIZER_SHARDING))
-            if same_world:
+                _keep_adam_step_on_load(optimizer)
+            sd, unpadded = _sharded_state_dict(chunks, optimizer if with_opt else None, True,
+                                               meta.get("optimizer_sharding", "dp_reshardable"),
+                                               unpadded=bool(meta.get("vocab_unpadded")))
+            if not moved:
                 sd["rank_state"] = ShardedObject("mgrpo.rank_state", None, (saved_world,), (_rank(),), replica_id=0)
             else:  # request every saved shard (megatron checks the access pattern covers them), use rank 0's
                 for r in range(saved_world):
@@ -481,6 +552,7 @@ def load_checkpoint(run_dir: os.PathLike | str, model_chunks, optimizer, schedul
                                                           replica_id=0)
             with torch.no_grad():
                 loaded = dist_checkpointing.load(sd, str(ckpt))
+                repad_vocab(loaded, unpadded)
                 for key, chunk in zip(_model_keys(len(chunks)), chunks):
                     chunk.load_state_dict(loaded[key], strict=strict)
                 if with_opt:
@@ -489,14 +561,14 @@ def load_checkpoint(run_dir: os.PathLike | str, model_chunks, optimizer, schedul
             if with_opt and scheduler is not None and loaded.get("scheduler") is not None:
                 scheduler.num_steps = 0  # load_state_dict adds the saved count to the current one
                 scheduler.load_state_dict(loaded["scheduler"])
-            rank_state = _unpack(loaded["rank_state"] if same_world else loaded["rank_state_0"])
-            if load_rng:
-                if same_world:
+            if not moved:
+                rank_state = _unpack(loaded["rank_state"])
+                if load_rng:
                     set_rng_state(rank_state["rng"])
-                elif _rank() == 0:
-                    warn_checkpoint(f"{ckpt} was saved by {saved_world} ranks, this run has {_world()}: RNG "
-                                    "states are not restored (the resumed run is not bit-identical) and every rank "
-                                    "gets rank 0's extra state")
+            else:
+                states = [_unpack(loaded[f"rank_state_{r}"]) for r in range(saved_world)]
+                rank_state = states[0]
+                _resume_moved_rng(ckpt, saved_layout, now, states, load_rng)
             result = (int(loaded["mgrpo"]["step"]), rank_state["extra"])
         except BaseException as e:  # noqa: BLE001
             error = e
