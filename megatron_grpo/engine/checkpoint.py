@@ -58,7 +58,8 @@ import numpy as np
 import torch
 
 from megatron_grpo.engine.reshard import (FULLY_RESHARDABLE, check_resumable, describe_layout, layout_changed,
-                                          optimizer_metadata, repad_vocab, unpad_vocab, vocab_keys)
+                                          join_optimizer_sd, optimizer_metadata, repad_vocab, split_optimizer_sd,
+                                          unpad_vocab, vocab_keys)
 from model_bridge.dist_ckpt.runs import (CHECKPOINT_FORMAT, DEL_PREFIX, LATEST_FILE, META_FILE, TMP_PREFIX,
                                          checkpoint_root, find_latest_checkpoint, list_checkpoints, read_run_meta,
                                          step_dirname, warn_checkpoint)
@@ -288,7 +289,8 @@ def _sharded_state_dict(chunks, optimizer, is_loading: bool, sharding: str, unpa
     for key, chunk in zip(_model_keys(len(chunks)), chunks):
         sd[key] = chunk.sharded_state_dict()
     if optimizer is not None:
-        sd["optimizer"] = _optimizer_sharded_state_dict(optimizer, sd, is_loading, sharding)
+        osd = _optimizer_sharded_state_dict(optimizer, sd, is_loading, sharding)
+        sd["optimizer"] = split_optimizer_sd(optimizer, osd) if sharding == FULLY_RESHARDABLE else osd
     changed: list = []
     if unpadded and chunks:
         keys = vocab_keys([sd[k] for k in _model_keys(len(chunks))])
@@ -296,8 +298,18 @@ def _sharded_state_dict(chunks, optimizer, is_loading: bool, sharding: str, unpa
     return sd, changed
 
 
-def _host_rng(state: dict) -> dict:
-    return {k: state[k] for k in ("python", "numpy", "torch_cpu")}
+def _same_host_rng(a: dict, b: dict) -> bool:
+    """Python, NumPy and torch CPU RNG states equal (by value: pickles of equal tensors differ)."""
+    def equal(x, y) -> bool:
+        if torch.is_tensor(x) or torch.is_tensor(y):
+            return torch.is_tensor(x) and torch.is_tensor(y) and torch.equal(x, y)
+        if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
+            return np.array_equal(x, y)
+        if isinstance(x, (tuple, list)) and isinstance(y, (tuple, list)):
+            return len(x) == len(y) and all(equal(u, v) for u, v in zip(x, y))
+        return x == y
+
+    return all(equal(a[k], b[k]) for k in ("python", "numpy", "torch_cpu"))
 
 
 def _layout_info() -> dict:
@@ -469,8 +481,7 @@ def _resume_moved_rng(ckpt: Path, saved: dict, now: dict, states: list, load_rng
     ones when every saved rank had the same (the usual case: one seed, rank-independent draws);
     the device streams and megatron's TP/EP RNG tracker are seeded per TP/EP/PP coordinate, which
     the new layout does not have, so they start from the run's seed. Logged once, on rank 0."""
-    host = [pickle.dumps(_host_rng(s["rng"])) for s in states]
-    agree = all(h == host[0] for h in host)
+    agree = all(_same_host_rng(s["rng"], states[0]["rng"]) for s in states[1:])
     if load_rng and agree:
         st = states[0]["rng"]
         random.setstate(st["python"])
@@ -546,17 +557,21 @@ def load_checkpoint(run_dir: os.PathLike | str, model_chunks, optimizer, schedul
                                                unpadded=bool(meta.get("vocab_unpadded")))
             if not moved:
                 sd["rank_state"] = ShardedObject("mgrpo.rank_state", None, (saved_world,), (_rank(),), replica_id=0)
-            else:  # request every saved shard (megatron checks the access pattern covers them), use rank 0's
+            else:  # every rank reads every saved shard (rank 0 as the main replica, which megatron's
+                # access check wants exactly once per shard) and uses rank 0's
                 for r in range(saved_world):
                     sd[f"rank_state_{r}"] = ShardedObject("mgrpo.rank_state", None, (saved_world,), (r,),
-                                                          replica_id=0)
+                                                          replica_id=_rank())
             with torch.no_grad():
                 loaded = dist_checkpointing.load(sd, str(ckpt))
                 repad_vocab(loaded, unpadded)
                 for key, chunk in zip(_model_keys(len(chunks)), chunks):
                     chunk.load_state_dict(loaded[key], strict=strict)
                 if with_opt:
-                    optimizer.load_state_dict(loaded["optimizer"])
+                    osd = loaded["optimizer"]
+                    if meta.get("optimizer_sharding") == FULLY_RESHARDABLE:
+                        osd = join_optimizer_sd(optimizer, osd)
+                    optimizer.load_state_dict(osd)
                     _fix_shared_adam_steps(optimizer)
             if with_opt and scheduler is not None and loaded.get("scheduler") is not None:
                 scheduler.num_steps = 0  # load_state_dict adds the saved count to the current one

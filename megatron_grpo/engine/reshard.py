@@ -135,3 +135,74 @@ def repad_vocab(loaded: dict, changed: list[tuple[tuple, torch.Size, torch.dtype
             full = full.to(rows.device)
             full[:rows.shape[0]].copy_(rows)
         _set(loaded, path, full)
+
+
+# ------------------------------------------------------------------------------------------------
+# optimizer: per-parameter tensors plus one set of param groups, whatever the sub-optimizers
+# ------------------------------------------------------------------------------------------------
+
+
+def _group_keys() -> tuple:
+    try:
+        from megatron.core.optimizer.optimizer import param_group_identifier_keys
+
+        return tuple(param_group_identifier_keys)
+    except ImportError:  # pragma: no cover
+        return ("wd_mult", "lr_mult", "is_expert_parallel", "is_decoupled_lr")
+
+
+def _subs(optimizer, osd: dict) -> list[dict]:
+    """The per-sub-optimizer state dicts of megatron's (Chained)Optimizer.sharded_state_dict."""
+    if len(getattr(optimizer, "chained_optimizers", [optimizer])) == 1:
+        return [osd]
+    return [osd[i] for i in sorted(osd)]
+
+
+def split_optimizer_sd(optimizer, osd: dict) -> dict:
+    """megatron's fully_reshardable optimizer state dict as stored: the tensors of every
+    sub-optimizer (keyed by model parameter, so where a parameter lives does not matter) and one
+    union of the param groups (hyper-parameters, step), identified as megatron identifies them.
+    megatron splits its optimizer into dense and expert parts only at some layouts (not at EP1 with
+    ETP=TP), so its own nesting is not layout-free."""
+    subs = _subs(optimizer, osd)
+    keys = _group_keys()
+    groups: dict = {}
+    for sub in subs:
+        for g in sub["optimizer"]["param_groups"]:
+            groups.setdefault(tuple(repr(g.get(k)) for k in keys), g)
+    common = {"param_groups": list(groups.values()), "sharding": subs[0]["param_state_sharding_type"]}
+    if "grad_scaler" in subs[0]:
+        common["grad_scaler"] = subs[0]["grad_scaler"]
+    # a dict, not a list: megatron merges the saved common structure into the loaded one by key,
+    # and another layout may have another number of sub-optimizers
+    return {"tensors": {i: sub["param_state"] for i, sub in enumerate(subs)}, "common": common}
+
+
+def _matching_group(saved: list[dict], group: dict, keys: tuple) -> dict:
+    """The saved param group for one of this layout's groups: the one with the same identifiers,
+    else the same ones but ``is_expert_parallel`` (megatron keeps expert parameters with the dense
+    ones when ep=1 and etp=tp, so a checkpoint of that layout has no expert group; the
+    hyper-parameters and step are the same)."""
+    want = tuple(repr(group.get(k)) for k in keys)
+    for relaxed in (False, True):
+        for g in saved:
+            have = tuple(repr(g.get(k)) for k in keys)
+            if all(h == w or (relaxed and k == "is_expert_parallel") for k, h, w in zip(keys, have, want)):
+                return {**g, **{k: group[k] for k in keys if k in group}}
+    raise ValueError(f"the checkpoint has no optimizer param group like this run's "
+                     f"{dict(zip(keys, want))} (saved: {[dict(zip(keys, (g.get(k) for k in keys))) for g in saved]})")
+
+
+def join_optimizer_sd(optimizer, stored: dict) -> dict:
+    """Inverse of :func:`split_optimizer_sd` for this layout's optimizer (after loading): every
+    sub-optimizer gets the saved param groups matching its own."""
+    common, keys = stored["common"], _group_keys()
+    subs = []
+    for i, part in enumerate(getattr(optimizer, "chained_optimizers", [optimizer])):
+        groups = [_matching_group(common["param_groups"], g, keys) for g in part.optimizer.param_groups]
+        sub = {"optimizer": {"param_groups": groups}, "param_state_sharding_type": common["sharding"],
+               "param_state": stored["tensors"][i]}
+        if "grad_scaler" in common:
+            sub["grad_scaler"] = common["grad_scaler"]
+        subs.append(sub)
+    return subs[0] if len(subs) == 1 else dict(enumerate(subs))

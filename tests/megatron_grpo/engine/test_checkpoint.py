@@ -66,20 +66,22 @@ class _Data:
         self.position = int(state["position"])
 
 
-def _engine():
+def _engine(layout: dict):
     from megatron_grpo.engine.setup import OptimConfig, build_engine
-    from model_bridge.config import ParallelLayout
     from model_bridge.parallel import init_parallel
 
     torch.set_num_threads(1)
-    init_parallel(seed=1234)
+    init_parallel(seed=1234, **layout)
     optim = OptimConfig(lr=1e-3, weight_decay=0.01, warmup_steps=1, lr_decay_style="cosine", decay_steps=8,
                         clip_grad=1.0, adam_eps=1e-6)
     return optim, build_engine
 
 
-def _train_steps(hf_dir: str, run_dir: str, last_step: int, *, save_at: tuple = (), resume: bool = False) -> dict:
-    """Build the engine, optionally resume, train up to ``last_step`` (saving at ``save_at``)."""
+def _train_steps(hf_dir: str, run_dir: str, last_step: int, *, save_at: tuple = (), resume: bool = False,
+                 layout: dict | None = None, copy_to: str | None = None) -> dict:
+    """Build the engine at ``layout`` (ParallelLayout keywords), optionally resume (and save what
+    was loaded again, at this layout, under ``copy_to``), train up to ``last_step`` (saving at
+    ``save_at``)."""
     import random
 
     import numpy as np
@@ -92,13 +94,17 @@ def _train_steps(hf_dir: str, run_dir: str, last_step: int, *, save_at: tuple = 
     from megatron_grpo.packing import PackLimits, plan_step
     from model_bridge.config import ParallelLayout
 
+    layout = layout or {}
+    optim, build_engine = _engine(layout)
+    engine = build_engine(hf_dir, ParallelLayout(**layout), optim, dtype=torch.float32)
+    # after the build: CPU weight init draws differently at different layouts, and the data of
+    # every rank must be the same
     random.seed(99)
     np.random.seed(99)
-    optim, build_engine = _engine()
-    engine = build_engine(hf_dir, ParallelLayout(), optim, dtype=torch.float32)
+    torch.manual_seed(99)
     data, skips = _Data(), NonFiniteSkips(3)
     cfg = StepConfig(loss=LossConfig(variant="grpo", entropy_coef=0.01), logprob_chunk_size=64)
-    pack = PackLimits(max_tokens_per_microbatch=64)
+    pack = PackLimits(max_tokens_per_microbatch=64, pad_multiple=2)  # one packing for every layout (SP at TP2)
     out = {"losses": {}, "lrs": {}, "grad_norms": {}, "resumed_at": None}
     start = 1
     if resume:
@@ -107,6 +113,8 @@ def _train_steps(hf_dir: str, run_dir: str, last_step: int, *, save_at: tuple = 
         skips.load_state_dict(extra["skips"])
         out["resumed_at"], out["extra"], start = step, extra, step + 1
         out["params_loaded"] = {n: p.detach().clone() for n, p in engine.modules[0].named_parameters()}
+        if copy_to:
+            save_checkpoint(copy_to, step, engine.model, engine.optimizer, engine.scheduler, extra)
     for step in range(start, last_step + 1):
         trajs = data.next_batch()
         plan = plan_step([t.num_tokens for t in trajs], ps.get_data_parallel_world_size(), pack)
