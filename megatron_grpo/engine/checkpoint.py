@@ -48,15 +48,14 @@ import json
 import logging
 import os
 import pickle
-import random
 import shutil
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
+from megatron_grpo.engine.ckpt_rng import rng_state, same_host_rng, set_host_rng, set_rng_state
 from megatron_grpo.engine.reshard import (FULLY_RESHARDABLE, check_resumable, describe_layout, layout_changed,
                                           join_optimizer_sd, optimizer_metadata, repad_vocab, split_optimizer_sd,
                                           unpad_vocab, vocab_keys)
@@ -75,42 +74,6 @@ DEFAULT_OPTIMIZER_SHARDING = FULLY_RESHARDABLE
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be saved or loaded; raised on every rank."""
-
-
-# ------------------------------------------------------------------------------------------------
-# RNG
-# ------------------------------------------------------------------------------------------------
-
-
-def rng_state() -> dict:
-    """Every RNG state this process uses: Python, NumPy, torch CPU, torch CUDA, megatron's tracker."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch_cpu": torch.get_rng_state(),
-             "torch_cuda": None, "megatron_tracker": None}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["torch_cuda"] = [s.cpu() for s in torch.cuda.get_rng_state_all()]
-    try:
-        from megatron.core import tensor_parallel
-
-        tracker = tensor_parallel.get_cuda_rng_tracker()
-        states = tracker.get_states() if getattr(tracker, "is_initialized", lambda: True)() else {}
-        if states and all(torch.is_tensor(v) for v in states.values()):
-            state["megatron_tracker"] = {k: v.detach().clone().cpu() for k, v in states.items()}
-    except Exception:  # noqa: BLE001 - no megatron, or no tracker yet
-        pass
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    """Inverse of :func:`rng_state`."""
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch_cpu"])
-    if state.get("torch_cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["torch_cuda"])
-    if state.get("megatron_tracker"):
-        from megatron.core import tensor_parallel
-
-        tensor_parallel.get_cuda_rng_tracker().set_states(dict(state["megatron_tracker"]))
 
 
 def _pack(obj: Any) -> torch.Tensor:
@@ -298,20 +261,6 @@ def _sharded_state_dict(chunks, optimizer, is_loading: bool, sharding: str, unpa
     return sd, changed
 
 
-def _same_host_rng(a: dict, b: dict) -> bool:
-    """Python, NumPy and torch CPU RNG states equal (by value: pickles of equal tensors differ)."""
-    def equal(x, y) -> bool:
-        if torch.is_tensor(x) or torch.is_tensor(y):
-            return torch.is_tensor(x) and torch.is_tensor(y) and torch.equal(x, y)
-        if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
-            return np.array_equal(x, y)
-        if isinstance(x, (tuple, list)) and isinstance(y, (tuple, list)):
-            return len(x) == len(y) and all(equal(u, v) for u, v in zip(x, y))
-        return x == y
-
-    return all(equal(a[k], b[k]) for k in ("python", "numpy", "torch_cpu"))
-
-
 def _layout_info() -> dict:
     info = {"world_size": _world()}
     try:
@@ -481,12 +430,9 @@ def _resume_moved_rng(ckpt: Path, saved: dict, now: dict, states: list, load_rng
     ones when every saved rank had the same (the usual case: one seed, rank-independent draws);
     the device streams and megatron's TP/EP RNG tracker are seeded per TP/EP/PP coordinate, which
     the new layout does not have, so they start from the run's seed. Logged once, on rank 0."""
-    agree = all(_same_host_rng(s["rng"], states[0]["rng"]) for s in states[1:])
+    agree = all(same_host_rng(s["rng"], states[0]["rng"]) for s in states[1:])
     if load_rng and agree:
-        st = states[0]["rng"]
-        random.setstate(st["python"])
-        np.random.set_state(st["numpy"])
-        torch.set_rng_state(st["torch_cpu"])
+        set_host_rng(states[0]["rng"])
     if _rank() != 0:
         return
     log.warning("resuming %s at another layout: %s -> %s", ckpt, describe_layout(saved), describe_layout(now))
@@ -518,7 +464,7 @@ def load_checkpoint(run_dir: os.PathLike | str, model_chunks, optimizer, schedul
     error = None
     if _rank() == 0:
         try:
-            chosen = str(path) if path is not None else find_latest_checkpoint(run_dir)
+            chosen = str(path) if path is not None else find_latest_checkpoint(run_dir, verify=True)
             chosen = None if chosen is None else str(chosen)
             if chosen is not None and read_run_meta(Path(chosen)) is None:
                 raise CheckpointError(f"{chosen} is not a complete megatron-grpo checkpoint (no valid {META_FILE})")

@@ -276,13 +276,29 @@ def _bookkeeping(run_dir: str) -> dict:
     ck.save_checkpoint(run_dir, 6, [], None, None, {"step": 6, "rank": rank}, keep_last=2)
     out["after_6"] = names()
     out["load_6"] = load()
+    # damaged files in complete checkpoints: the newest intact one is used; none intact: one error
+    ck.save_checkpoint(run_dir, 7, [], None, None, {"step": 7, "rank": rank}, keep_last=3)
+    if rank == 0:
+        part = next((root / "step_00000007").glob("*.distcp"))
+        part.write_bytes(part.read_bytes()[:-5])
+        (root / "step_00000006" / ".metadata").unlink()
+    dist.barrier()
+    out["load_damaged"] = load()
+    if rank == 0:
+        for p in (root / "step_00000005").glob("*.distcp"):
+            p.unlink()
+    dist.barrier()
+    try:
+        out["none_intact"] = load()
+    except Exception as e:  # noqa: BLE001
+        out["none_intact"] = f"{type(e).__name__}: {e}"
     dist.destroy_process_group()
     return out
 
 
 def test_rotation_incomplete_and_crashed_saves(tmp_path):
     t0 = time.monotonic()
-    r0, r1 = run_ranks(_bookkeeping, 2, str(tmp_path), timeout=120, env=CPU_ONLY)
+    r0, r1 = run_ranks(_bookkeeping, 2, str(tmp_path), timeout=240, env=CPU_ONLY)
     wall = time.monotonic() - t0
     assert r0["empty"][:2] == (0, None)
     assert r0["after_4"] == ["latest", "step_00000003", "step_00000004"]
@@ -299,6 +315,15 @@ def test_rotation_incomplete_and_crashed_saves(tmp_path):
     assert r1["load_bad_latest"][:2] == (5, {"step": 5, "rank": 1})
     assert r0["after_6"] == ["latest", "step_00000005", "step_00000006"]
     assert r0["load_6"][:2] == (6, {"step": 6, "rank": 0})
+    step, extra, warns = r0["load_damaged"]
+    assert (step, extra) == (5, {"step": 5, "rank": 0}) and r1["load_damaged"][:2] == (5, {"step": 5, "rank": 1})
+    damaged = [w for w in warns if "passing over damaged checkpoint" in w]
+    assert len(damaged) == 2 and "step_00000007" in damaged[0] and "is truncated" in damaged[0], warns
+    assert "step_00000006" in damaged[1] and ".metadata is missing" in damaged[1], warns
+    for r in (r0, r1):  # one line, on every rank: the file and the fix
+        msg = r["none_intact"]
+        assert isinstance(msg, str) and "\n" not in msg and "no intact checkpoint under" in msg, msg
+        assert "step_00000007" in msg and "is truncated" in msg and "start the run over" in msg, msg
     print(f"\nbookkeeping on 2 ranks: {wall:.1f}s; died save -> {r0['died']}")
 
 

@@ -140,3 +140,61 @@ def test_resume_tp2_checkpoint_at_other_layouts(hf_dir, tmp_path):
     lines = _check_layouts(hf_dir, tmp_path, 2, {"tp": 2},
                            [(2, {"tp": 1, "ep": 2}), (2, {"pp": 2}), (1, {}), (4, {"tp": 2, "ep": 2})])
     print("\n" + "\n".join(lines))
+
+
+def _fake_run(run: Path, hf_dir, **meta) -> Path:
+    """A run dir whose one checkpoint says it was saved at TP2 on 2 ranks (no tensors: the
+    pre-flight reads the metadata only)."""
+    import json
+
+    from megatron_grpo.engine.checkpoint import CHECKPOINT_FORMAT, META_FILE
+
+    step = run / "checkpoints" / "step_00000004"
+    step.mkdir(parents=True)
+    (run / "config.json").write_text(json.dumps({"trainer": {"run_dir": str(run)}, "model": {"hf_dir": str(hf_dir)}}))
+    layout = {"world_size": 2, "tp": 2, "pp": 1, "ep": 1, "etp": 2, "dp": 1}
+    (step / META_FILE).write_text(json.dumps({"format": CHECKPOINT_FORMAT, "step": 4, "layout": layout,
+                                              "optimizer": True, **meta}))
+    return step
+
+
+def test_resume_preflight_names_both_layouts(mgrpo_inproc, tiny_ckpt, tmp_path):
+    """`mgrpo train --resume RUN parallel.*=...` before any rank starts: a checkpoint that cannot
+    load at the new layout, or a layout the model cannot take, is one line naming both layouts
+    and the fix (exit 2); a possible change is said in one line, from -> to."""
+    from conftest import PreflightPassed
+
+    old = _fake_run(tmp_path / "old", tiny_ckpt, optimizer_sharding="dp_reshardable")
+    r = mgrpo_inproc("train", "--resume", str(tmp_path / "old"), "parallel.tp=1", "parallel.ep=2")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"mgrpo train: config error: cannot resume {old} (saved at tp2 pp1 ep1 etp2 dp1 (2 ranks)) at tp1 pp1 ep2 "
+        "etp1 dp2 (2 ranks): its optimizer is stored as 'dp_reshardable', which reloads only at the same "
+        "TP/PP/EP/ETP (any DP); resume with parallel.tp=2 parallel.pp=1 parallel.ep=1 parallel.etp=2 and any "
+        "parallel.nproc that fits; its next checkpoint is then saved layout-free"], r.stderr
+    new = _fake_run(tmp_path / "new", tiny_ckpt, optimizer_sharding="fully_reshardable", vocab_unpadded=True)
+    r = mgrpo_inproc("train", "--resume", str(tmp_path / "new"), "parallel.nproc=6", "parallel.tp=1", "parallel.ep=3")
+    assert r.returncode == 2 and r.stderr.strip().splitlines() == [
+        f"mgrpo train: config error: cannot resume {new} (saved at tp2 pp1 ep1 etp2 dp1 (2 ranks)) at tp1 pp1 ep3 "
+        "etp1 dp6 (6 ranks): parallel layout does not fit the model: ep=3 does not divide num_experts=8; choose "
+        "parallel.tp/pp/ep/etp and parallel.nproc that fit (the saved layout does)"], r.stderr
+    with pytest.raises(PreflightPassed):
+        import contextlib
+        import io
+
+        from launch.cli import main
+
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            main(["train", "--resume", str(tmp_path / "new"), "parallel.tp=1", "parallel.ep=2"])
+    lines = [x for x in out.getvalue().splitlines() if "at another layout" in x]
+    assert lines == [f"[train] resuming {new} at another layout: tp2 pp1 ep1 etp2 dp1 (2 ranks) -> tp1 pp1 ep2 etp1 "
+                     "dp2 (2 ranks)"], out.getvalue()
+
+
+@pytest.mark.slow
+def test_resume_pp2_and_ep2_checkpoints_at_other_layouts(hf_dir, tmp_path):
+    """The other direction: checkpoints saved at PP2 and at EP2 (world 2) resume at TP/EP/PP
+    layouts they were not saved at (world 1 and 4 are covered from TP2 above)."""
+    lines = _check_layouts(hf_dir, tmp_path / "pp2", 2, {"pp": 2}, [(2, {"tp": 1, "ep": 2})])
+    lines += _check_layouts(hf_dir, tmp_path / "ep2", 2, {"ep": 2}, [(2, {"tp": 2}), (2, {"pp": 2})])
+    print("\n" + "\n".join(lines))
