@@ -9,13 +9,15 @@ Layout (``run_dir/checkpoints/``)::
         __*_*.distcp              the sharded tensors and objects of every rank
     .tmp-step_00000014/           a save in progress, or one that died: ignored on load (warning)
 
-What one checkpoint holds (every rank contributes its shards; nothing is gathered):
+What one checkpoint holds (every rank contributes its shards), in a layout-free form
+(``engine/reshard.py``): it loads at any TP/PP/EP/ETP/DP the model allows.
 
 * ``model`` (``model0``, ``model1``, ... with several virtual-pipeline chunks): each chunk's
-  megatron ``sharded_state_dict()`` (DDP / Float16Module wrappers stripped);
-* ``optimizer``: the megatron optimizer's ``sharded_state_dict`` -- with the distributed optimizer
-  the fp32 master weights and Adam moments, sharded as ``dp_reshardable`` (megatron-LM's default:
-  fully parallel, reloadable under another DP size, same TP/PP/EP);
+  megatron ``sharded_state_dict()`` (DDP / Float16Module wrappers stripped), vocab-parallel
+  tensors with the real vocab's rows only (the padding depends on TP);
+* ``optimizer``: ``tensors``: the distributed optimizer's fp32 main parameters and Adam moments
+  in megatron's ``fully_reshardable`` form (model-shaped, keyed by parameter; gathered over DP
+  before the write), ``common``: one list of param groups (hyper-parameters, step);
 * ``scheduler``: ``OptimizerParamScheduler.state_dict()`` and the step (common state, rank 0);
 * ``rank_state``: one object per rank (a ``ShardedObject`` of shape ``[world]``): its RNG states
   (Python, NumPy, torch CPU, torch CUDA, megatron's TP/EP RNG tracker) and ``extra_state`` (the
@@ -30,17 +32,21 @@ checkpoint. A failure on any rank in the steps around the megatron save is raise
 
 Load (:func:`load_checkpoint`, all ranks): rank 0 picks the checkpoint (``latest`` if it names a
 complete one, else the highest complete ``step_*``, with a warning; ``.tmp-*`` directories are
-ignored with a warning) and broadcasts its path; every rank loads model, optimizer, scheduler and
-its own RNG states and extra state, and gets ``(step, extra_state)`` back. Training continues at
-``step + 1``; on CPU that step is bit-identical to an uninterrupted run (tested). Under another
-world size the model and optimizer reshard (DP only), the RNG states are not restored (warning)
-and every rank gets rank 0's ``extra_state``.
+ignored with a warning; one whose files are missing or short is passed over, with a warning) and
+broadcasts its path; every rank loads model, optimizer, scheduler and its own RNG states and extra
+state, and gets ``(step, extra_state)`` back. Training continues at ``step + 1``; on CPU that step
+is bit-identical to an uninterrupted run (tested). At another layout (any of TP/PP/EP/ETP/DP or
+the world size differs) the model and optimizer reshard, every rank gets rank 0's
+``extra_state`` and host RNG streams (when the saved ranks' agree), the device streams restart
+from the seed, and rank 0 says so (the change from -> to, and the RNG consequence: one line each).
 
-Two megatron-core quirks are handled here (both when neither Transformer Engine nor Apex is
+Three megatron-core quirks are handled here (both when neither Transformer Engine nor Apex is
 installed, as on our CPU and GPU machines): its ``DistributedOptimizer.state_dict()`` asserts on a
 fresh torch Adam with no state, so the state is initialised (zeros, step 0) before loading; and its
 load hands every parameter the *same* ``step`` tensor, which torch's foreach Adam then increments
-once per parameter, so each parameter gets its own step tensor after loading.
+once per parameter, so each parameter gets its own step tensor after loading; and its
+``fully_reshardable`` load copies every state key of the inner optimizer from the checkpoint,
+which has no ``step`` for a torch Adam, so keys the checkpoint lacks keep their value.
 """
 from __future__ import annotations
 
