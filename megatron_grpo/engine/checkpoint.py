@@ -61,7 +61,7 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_grpo.engine.ckpt_rng import rng_state, same_host_rng, set_host_rng, set_rng_state
+from megatron_grpo.engine.ckpt_rng import HOST_STREAMS, agreeing_host_streams, rng_state, set_host_rng, set_rng_state
 from megatron_grpo.engine.reshard import (FULLY_RESHARDABLE, check_resumable, describe_layout, layout_changed,
                                           join_optimizer_sd, optimizer_metadata, repad_vocab, split_optimizer_sd,
                                           unpad_vocab, vocab_keys)
@@ -71,7 +71,7 @@ from model_bridge.dist_ckpt.runs import (CHECKPOINT_FORMAT, DEL_PREFIX, LATEST_F
 
 __all__ = ["save_checkpoint", "load_checkpoint", "find_latest_checkpoint", "list_checkpoints",
            "checkpoint_root", "CheckpointError", "rng_state", "set_rng_state", "CHECKPOINT_FORMAT",
-           "DEFAULT_OPTIMIZER_SHARDING", "META_FILE", "LATEST_FILE"]
+           "DEFAULT_OPTIMIZER_SHARDING", "META_FILE", "LATEST_FILE", "init_optimizer_state"]
 
 log = logging.getLogger(__name__)
 
@@ -183,9 +183,10 @@ def _is_torch_adam(opt) -> bool:
     return isinstance(opt, (torch.optim.Adam, torch.optim.AdamW))
 
 
-def _prepare_optimizer_for_loading(optimizer) -> None:
+def init_optimizer_state(optimizer) -> None:
     """Give a fresh torch Adam inside megatron's DistributedOptimizer a state (zeros, step 0), so its
-    ``state_dict()`` works before loading (see the module doc); values are overwritten by the load."""
+    ``state_dict()`` works before loading (see the module doc; values are overwritten by the load)
+    and a checkpoint of a run that has not stepped yet holds Adam moments (``mgrpo bench checkpoint``)."""
     try:
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     except ImportError:  # pragma: no cover
@@ -432,21 +433,23 @@ def save_checkpoint(run_dir: os.PathLike | str, step: int, model_chunks, optimiz
 
 
 def _resume_moved_rng(ckpt: Path, saved: dict, now: dict, states: list, load_rng: bool) -> None:
-    """RNG at another layout: the host streams (Python, NumPy, torch CPU) continue from the saved
-    ones when every saved rank had the same (the usual case: one seed, rank-independent draws);
-    the device streams and megatron's TP/EP RNG tracker are seeded per TP/EP/PP coordinate, which
-    the new layout does not have, so they start from the run's seed. Logged once, on rank 0."""
-    agree = all(same_host_rng(s["rng"], states[0]["rng"]) for s in states[1:])
-    if load_rng and agree:
-        set_host_rng(states[0]["rng"])
+    """RNG at another layout: each host stream (Python, NumPy, torch CPU) continues from the saved
+    one when every saved rank had the same (one seed, rank-independent draws); the device streams
+    and megatron's TP/EP RNG tracker are seeded per TP/EP/PP coordinate, which the new layout does
+    not have, so they start from the seed. Logged once, on rank 0."""
+    agree = agreeing_host_streams([s["rng"] for s in states])
+    if load_rng:
+        set_host_rng(states[0]["rng"], agree)
     if _rank() != 0:
         return
-    log.warning("resuming %s at another layout: %s -> %s", ckpt, describe_layout(saved), describe_layout(now))
+    # info: `mgrpo train` says it once before the ranks start (launch/train_cli.py)
+    log.info("resuming %s at another layout: %s -> %s", ckpt, describe_layout(saved), describe_layout(now))
     if not load_rng:
         return
-    host_line = ("the host RNG streams (Python, NumPy, torch CPU) continue from the checkpoint" if agree else
-                 "the host RNG streams are not restored (the saved ranks' differ, so no one of them is right for "
-                 "every new rank)")
+    differ = [HOST_STREAMS[k] for k in HOST_STREAMS if k not in agree]
+    host_line = (f"the host RNG streams ({', '.join(HOST_STREAMS[k] for k in agree) or 'none'}) continue from "
+                 "the checkpoint" + (f"; {', '.join(differ)} differed between the saved ranks, so no one of them "
+                                     "is right for every new rank: not restored" if differ else ""))
     warn_checkpoint(f"{ckpt} was saved at {describe_layout(saved)}, this run has {describe_layout(now)}: "
                     f"{host_line}; the device RNG streams and megatron's TP/EP RNG tracker (dropout) are seeded "
                     "per parallel rank, which the new layout does not have, so they restart from the seed and the "
@@ -502,7 +505,7 @@ def load_checkpoint(run_dir: os.PathLike | str, model_chunks, optimizer, schedul
             moved = layout_changed(saved_layout, now) or saved_world != _world()
             with_opt = load_optimizer and optimizer is not None and meta.get("optimizer", True)
             if with_opt:
-                _prepare_optimizer_for_loading(optimizer)
+                init_optimizer_state(optimizer)
                 _keep_adam_step_on_load(optimizer)
             sd, unpadded = _sharded_state_dict(chunks, optimizer if with_opt else None, True,
                                                meta.get("optimizer_sharding", "dp_reshardable"),

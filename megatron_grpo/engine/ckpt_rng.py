@@ -6,7 +6,7 @@ import random
 import numpy as np
 import torch
 
-__all__ = ["rng_state", "set_rng_state", "same_host_rng", "set_host_rng"]
+__all__ = ["rng_state", "set_rng_state", "agreeing_host_streams", "set_host_rng", "HOST_STREAMS"]
 
 
 def rng_state() -> dict:
@@ -40,22 +40,30 @@ def set_rng_state(state: dict) -> None:
         tensor_parallel.get_cuda_rng_tracker().set_states(dict(state["megatron_tracker"]))
 
 
-def same_host_rng(a: dict, b: dict) -> bool:
-    """Python, NumPy and torch CPU RNG states equal (by value: pickles of equal tensors differ)."""
-    def equal(x, y) -> bool:
-        if torch.is_tensor(x) or torch.is_tensor(y):
-            return torch.is_tensor(x) and torch.is_tensor(y) and torch.equal(x, y)
-        if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
-            return np.array_equal(x, y)
-        if isinstance(x, (tuple, list)) and isinstance(y, (tuple, list)):
-            return len(x) == len(y) and all(equal(u, v) for u, v in zip(x, y))
-        return x == y
-
-    return all(equal(a[k], b[k]) for k in ("python", "numpy", "torch_cpu"))
+HOST_STREAMS = {"python": "Python", "numpy": "NumPy", "torch_cpu": "torch CPU"}
 
 
-def set_host_rng(state: dict) -> None:
-    """Restore only the host streams of :func:`rng_state` (Python, NumPy, torch CPU)."""
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch_cpu"])
+def _equal(x, y) -> bool:
+    """RNG states equal by value (pickles of equal tensors differ)."""
+    if torch.is_tensor(x) or torch.is_tensor(y):
+        return torch.is_tensor(x) and torch.is_tensor(y) and torch.equal(x, y)
+    if isinstance(x, np.ndarray) or isinstance(y, np.ndarray):
+        return np.array_equal(x, y)
+    if isinstance(x, (tuple, list)) and isinstance(y, (tuple, list)):
+        return len(x) == len(y) and all(_equal(u, v) for u, v in zip(x, y))
+    return x == y
+
+
+def agreeing_host_streams(states: list[dict]) -> list[str]:
+    """The host streams (keys of :data:`HOST_STREAMS`) that every one of ``states`` has alike."""
+    return [k for k in HOST_STREAMS if all(_equal(s[k], states[0][k]) for s in states[1:])]
+
+
+def set_host_rng(state: dict, streams) -> None:
+    """Restore the given host streams of a :func:`rng_state`."""
+    if "python" in streams:
+        random.setstate(state["python"])
+    if "numpy" in streams:
+        np.random.set_state(state["numpy"])
+    if "torch_cpu" in streams:
+        torch.set_rng_state(state["torch_cpu"])

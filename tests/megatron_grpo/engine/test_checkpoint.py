@@ -189,7 +189,7 @@ def _check_resume(world: int, hf_dir: str, run_dir: Path) -> str:
         assert not bad, f"{len(bad)} parameters differ after loading a DP{world} checkpoint on one rank: {bad[:3]}"
         assert one["resumed_at"] == 2 and one["extra"]["data"] == {"position": 12}
         assert any("(2 ranks), this run has" in w and "(1 ranks)" in w for w in one["warnings"]), one["warnings"]
-        text += f"; loaded on 1 rank: weights equal, RNG-not-restored warning ({time.monotonic() - t3:.1f}s)"
+        text += f"; loaded on 1 rank: weights equal, layout-change RNG warning ({time.monotonic() - t3:.1f}s)"
     return text
 
 
