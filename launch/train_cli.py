@@ -115,6 +115,35 @@ def _check_run_dir(run_dir: str, resume: bool) -> None:
                          "trainer.run_dir; its metrics.jsonl starts afresh)")
 
 
+def _check_resume_layout(cfg, world_size: int) -> None:
+    """--resume at another layout: refuse one the checkpoint or the model cannot take (one line,
+    both layouts, the fix); say the change (from -> to) in one line otherwise."""
+    from megatron_grpo.engine.checkpoint import find_latest_checkpoint
+    from megatron_grpo.engine.reshard import check_resumable, describe_layout, layout_changed
+    from model_bridge.config import ParallelLayout, check_layout, read_omni_config
+    from model_bridge.dist_ckpt.runs import read_run_meta
+
+    ckpt = find_latest_checkpoint(cfg.trainer.run_dir, warn=False)
+    meta = read_run_meta(ckpt) if ckpt is not None else None
+    if meta is None or "layout" not in meta:
+        return
+    p = cfg.parallel
+    now = {"tp": p.tp, "pp": p.pp, "ep": p.ep, "etp": p.tp if p.etp is None else p.etp,
+           "dp": world_size // max(1, p.tp * p.pp), "world_size": world_size}
+    saved = meta["layout"]
+    try:
+        check_layout(read_omni_config(cfg.model.hf_dir), ParallelLayout(tp=p.tp, ep=p.ep, etp=p.etp, pp=p.pp),
+                     world_size=world_size)
+    except ValueError as e:
+        raise ValueError(f"cannot resume {ckpt} (saved at {describe_layout(saved)}) at {describe_layout(now)}: "
+                         f"{e}; choose parallel.tp/pp/ep/etp and parallel.nproc that fit (the saved layout does)"
+                         ) from None
+    check_resumable(ckpt, meta, now)
+    if layout_changed(saved, now):
+        print(f"[train] resuming {ckpt} at another layout: {describe_layout(saved)} -> {describe_layout(now)}",
+              flush=True)
+
+
 def _check_servers_answer(urls, timeout_s: float) -> None:
     """Every remote server answers GET /health (no API key needed), so a wrong URL or a server that
     is down fails here in one line instead of after the ranks have built the model."""
@@ -165,6 +194,8 @@ def run_train(args: argparse.Namespace) -> int:
     if os.environ.get("RANK", "0") == "0" and not os.environ.get(_PREFLIGHT_DONE):
         try:  # fail fast, in one line, before any rank starts (once: not again in the ranks spawned below)
             _check_run_dir(cfg.trainer.run_dir, bool(args.resume))
+            if args.resume:
+                _check_resume_layout(cfg, int(os.environ.get("WORLD_SIZE", nproc)))
             sized = _check_model_fits(cfg, int(os.environ.get("WORLD_SIZE", nproc)))
         except ValueError as e:
             for line in str(e).splitlines():  # several rows that cannot fit: one line each

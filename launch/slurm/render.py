@@ -293,6 +293,14 @@ def _serve_args(cfg, plan: SlurmPlan) -> list[str]:
             "--startup-timeout", f"{s.startup_timeout_s:g}", *map(str, s.extra_args), *map(str, cfg.launch.serve_args)]
 
 
+def _layout_args(cfg) -> str:
+    """The trainer layout as overrides for `mgrpo train --resume`: a run launched again with other
+    nodes or another layout resumes at this one, not at the checkpoint's saved config."""
+    p = cfg.parallel
+    etp = p.tp if p.etp is None else p.etp
+    return f"parallel.nproc={p.nproc} parallel.tp={p.tp} parallel.pp={p.pp} parallel.ep={p.ep} parallel.etp={etp}"
+
+
 def _config_yaml(cfg) -> str:
     from megatron_grpo.configtree import to_dict
 
@@ -357,5 +365,5 @@ def render(cfg, plan: SlurmPlan) -> dict[str, str]:
         signal_line=(f"#SBATCH --signal={la.signal}" if la.signal else "# launch.signal: none (no --signal)"),
         requeue_lines=requeue, run_dir=q(str(plan.run_dir)), rollout_nodes=plan.rollout_nodes,
         health_timeout=f"{la.health_timeout_s:g}", fit_margin=FIT_MARGIN_S, master_port=la.master_port,
-        nproc_per_node=plan.nproc_per_node, requeue_command=requeue_cmd)
+        nproc_per_node=plan.nproc_per_node, requeue_command=requeue_cmd, layout_args=_layout_args(cfg))
     return {"rollout.sbatch": rollout, "train.sbatch": train, "config.yaml": _config_yaml(cfg)}

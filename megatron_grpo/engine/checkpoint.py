@@ -9,13 +9,15 @@ Layout (``run_dir/checkpoints/``)::
         __*_*.distcp              the sharded tensors and objects of every rank
     .tmp-step_00000014/           a save in progress, or one that died: ignored on load (warning)
 
-What one checkpoint holds (every rank contributes its shards; nothing is gathered):
+What one checkpoint holds (every rank contributes its shards), in a layout-free form
+(``engine/reshard.py``): it loads at any TP/PP/EP/ETP/DP the model allows.
 
 * ``model`` (``model0``, ``model1``, ... with several virtual-pipeline chunks): each chunk's
-  megatron ``sharded_state_dict()`` (DDP / Float16Module wrappers stripped);
-* ``optimizer``: the megatron optimizer's ``sharded_state_dict`` -- with the distributed optimizer
-  the fp32 master weights and Adam moments, sharded as ``dp_reshardable`` (megatron-LM's default:
-  fully parallel, reloadable under another DP size, same TP/PP/EP);
+  megatron ``sharded_state_dict()`` (DDP / Float16Module wrappers stripped), vocab-parallel
+  tensors with the real vocab's rows only (the padding depends on TP);
+* ``optimizer``: ``tensors``: the distributed optimizer's fp32 main parameters and Adam moments
+  in megatron's ``fully_reshardable`` form (model-shaped, keyed by parameter; gathered over DP
+  before the write), ``common``: one list of param groups (hyper-parameters, step);
 * ``scheduler``: ``OptimizerParamScheduler.state_dict()`` and the step (common state, rank 0);
 * ``rank_state``: one object per rank (a ``ShardedObject`` of shape ``[world]``): its RNG states
   (Python, NumPy, torch CPU, torch CUDA, megatron's TP/EP RNG tracker) and ``extra_state`` (the
@@ -30,17 +32,21 @@ checkpoint. A failure on any rank in the steps around the megatron save is raise
 
 Load (:func:`load_checkpoint`, all ranks): rank 0 picks the checkpoint (``latest`` if it names a
 complete one, else the highest complete ``step_*``, with a warning; ``.tmp-*`` directories are
-ignored with a warning) and broadcasts its path; every rank loads model, optimizer, scheduler and
-its own RNG states and extra state, and gets ``(step, extra_state)`` back. Training continues at
-``step + 1``; on CPU that step is bit-identical to an uninterrupted run (tested). Under another
-world size the model and optimizer reshard (DP only), the RNG states are not restored (warning)
-and every rank gets rank 0's ``extra_state``.
+ignored with a warning; one whose files are missing or short is passed over, with a warning) and
+broadcasts its path; every rank loads model, optimizer, scheduler and its own RNG states and extra
+state, and gets ``(step, extra_state)`` back. Training continues at ``step + 1``; on CPU that step
+is bit-identical to an uninterrupted run (tested). At another layout (any of TP/PP/EP/ETP/DP or
+the world size differs) the model and optimizer reshard, every rank gets rank 0's
+``extra_state`` and host RNG streams (when the saved ranks' agree), the device streams restart
+from the seed, and rank 0 says so (the change from -> to, and the RNG consequence: one line each).
 
-Two megatron-core quirks are handled here (both when neither Transformer Engine nor Apex is
+Three megatron-core quirks are handled here (both when neither Transformer Engine nor Apex is
 installed, as on our CPU and GPU machines): its ``DistributedOptimizer.state_dict()`` asserts on a
 fresh torch Adam with no state, so the state is initialised (zeros, step 0) before loading; and its
 load hands every parameter the *same* ``step`` tensor, which torch's foreach Adam then increments
-once per parameter, so each parameter gets its own step tensor after loading.
+once per parameter, so each parameter gets its own step tensor after loading; and its
+``fully_reshardable`` load copies every state key of the inner optimizer from the checkpoint,
+which has no ``step`` for a torch Adam, so keys the checkpoint lacks keep their value.
 """
 from __future__ import annotations
 
@@ -48,66 +54,32 @@ import json
 import logging
 import os
 import pickle
-import random
 import shutil
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
+from megatron_grpo.engine.ckpt_rng import HOST_STREAMS, agreeing_host_streams, rng_state, set_host_rng, set_rng_state
+from megatron_grpo.engine.reshard import (FULLY_RESHARDABLE, check_resumable, describe_layout, layout_changed,
+                                          join_optimizer_sd, optimizer_metadata, repad_vocab, split_optimizer_sd,
+                                          unpad_vocab, vocab_keys)
 from model_bridge.dist_ckpt.runs import (CHECKPOINT_FORMAT, DEL_PREFIX, LATEST_FILE, META_FILE, TMP_PREFIX,
                                          checkpoint_root, find_latest_checkpoint, list_checkpoints, read_run_meta,
                                          step_dirname, warn_checkpoint)
 
 __all__ = ["save_checkpoint", "load_checkpoint", "find_latest_checkpoint", "list_checkpoints",
            "checkpoint_root", "CheckpointError", "rng_state", "set_rng_state", "CHECKPOINT_FORMAT",
-           "DEFAULT_OPTIMIZER_SHARDING", "META_FILE", "LATEST_FILE"]
+           "DEFAULT_OPTIMIZER_SHARDING", "META_FILE", "LATEST_FILE", "init_optimizer_state"]
 
 log = logging.getLogger(__name__)
 
-DEFAULT_OPTIMIZER_SHARDING = "dp_reshardable"
+DEFAULT_OPTIMIZER_SHARDING = FULLY_RESHARDABLE
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be saved or loaded; raised on every rank."""
-
-
-# ------------------------------------------------------------------------------------------------
-# RNG
-# ------------------------------------------------------------------------------------------------
-
-
-def rng_state() -> dict:
-    """Every RNG state this process uses: Python, NumPy, torch CPU, torch CUDA, megatron's tracker."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch_cpu": torch.get_rng_state(),
-             "torch_cuda": None, "megatron_tracker": None}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["torch_cuda"] = [s.cpu() for s in torch.cuda.get_rng_state_all()]
-    try:
-        from megatron.core import tensor_parallel
-
-        tracker = tensor_parallel.get_cuda_rng_tracker()
-        states = tracker.get_states() if getattr(tracker, "is_initialized", lambda: True)() else {}
-        if states and all(torch.is_tensor(v) for v in states.values()):
-            state["megatron_tracker"] = {k: v.detach().clone().cpu() for k, v in states.items()}
-    except Exception:  # noqa: BLE001 - no megatron, or no tracker yet
-        pass
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    """Inverse of :func:`rng_state`."""
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch_cpu"])
-    if state.get("torch_cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["torch_cuda"])
-    if state.get("megatron_tracker"):
-        from megatron.core import tensor_parallel
-
-        tensor_parallel.get_cuda_rng_tracker().set_states(dict(state["megatron_tracker"]))
 
 
 def _pack(obj: Any) -> torch.Tensor:
@@ -211,9 +183,10 @@ def _is_torch_adam(opt) -> bool:
     return isinstance(opt, (torch.optim.Adam, torch.optim.AdamW))
 
 
-def _prepare_optimizer_for_loading(optimizer) -> None:
+def init_optimizer_state(optimizer) -> None:
     """Give a fresh torch Adam inside megatron's DistributedOptimizer a state (zeros, step 0), so its
-    ``state_dict()`` works before loading (see the module doc); values are overwritten by the load."""
+    ``state_dict()`` works before loading (see the module doc; values are overwritten by the load)
+    and a checkpoint of a run that has not stepped yet holds Adam moments (``mgrpo bench checkpoint``)."""
     try:
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     except ImportError:  # pragma: no cover
@@ -235,6 +208,30 @@ def _prepare_optimizer_for_loading(optimizer) -> None:
                     inner.state[p] = st
 
 
+def _keep_adam_step_on_load(optimizer) -> None:
+    """megatron's ``fully_reshardable`` load copies every state of the inner optimizer from the
+    checkpoint, but stores no ``step`` (the param groups carry it): with torch's Adam, whose state
+    holds ``step``, it would raise KeyError. Keys the checkpoint lacks keep their current value."""
+    try:
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    except ImportError:  # pragma: no cover
+        return
+    for sub in _inner_optimizers(optimizer):
+        if not isinstance(sub, DistributedOptimizer) or not _is_torch_adam(getattr(sub, "optimizer", None)) \
+                or "_set_main_param_and_optimizer_states" in vars(sub):
+            continue
+        original = sub._set_main_param_and_optimizer_states
+
+        def keep_missing(model_param, tensors, _sub=sub, _original=original):
+            group_index, group_order = _sub.model_param_group_index_map[model_param]
+            main_param = _sub.optimizer.param_groups[group_index]["params"][group_order]
+            for k, v in _sub.optimizer.state[main_param].items():
+                tensors.setdefault(k, v)
+            return _original(model_param, tensors)
+
+        sub._set_main_param_and_optimizer_states = keep_missing
+
+
 def _fix_shared_adam_steps(optimizer) -> None:
     """One ``step`` tensor per parameter, with the value megatron restored into the param groups."""
     for sub in _inner_optimizers(optimizer):
@@ -251,8 +248,24 @@ def _fix_shared_adam_steps(optimizer) -> None:
 
 
 def _optimizer_sharded_state_dict(optimizer, model_sd: dict, is_loading: bool, sharding: str):
-    return optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
-                                        metadata={"distrib_optim_sharding_type": sharding})
+    return optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=optimizer_metadata(sharding))
+
+
+def _sharded_state_dict(chunks, optimizer, is_loading: bool, sharding: str, unpadded: bool) -> tuple[dict, list]:
+    """Model chunks (+ optimizer) as stored; with ``unpadded`` the vocab-parallel tensors (and
+    their optimizer states) hold the real vocab's rows only. Returns ``(sd, changed)`` for
+    :func:`repad_vocab`."""
+    sd: dict = {}
+    for key, chunk in zip(_model_keys(len(chunks)), chunks):
+        sd[key] = chunk.sharded_state_dict()
+    if optimizer is not None:
+        osd = _optimizer_sharded_state_dict(optimizer, sd, is_loading, sharding)
+        sd["optimizer"] = split_optimizer_sd(optimizer, osd) if sharding == FULLY_RESHARDABLE else osd
+    changed: list = []
+    if unpadded and chunks:
+        keys = vocab_keys([sd[k] for k in _model_keys(len(chunks))])
+        changed = unpad_vocab(sd, keys, chunks[0].spec.text.vocab_size)
+    return sd, changed
 
 
 def _layout_info() -> dict:
@@ -377,11 +390,7 @@ def save_checkpoint(run_dir: os.PathLike | str, step: int, model_chunks, optimiz
     with collective(f"save_checkpoint(step {step})"):
         try:
             chunks = _chunks(model_chunks)
-            sd: dict = {}
-            for key, chunk in zip(_model_keys(len(chunks)), chunks):
-                sd[key] = chunk.sharded_state_dict()
-            if optimizer is not None:
-                sd["optimizer"] = _optimizer_sharded_state_dict(optimizer, sd, False, optimizer_sharding)
+            sd, _ = _sharded_state_dict(chunks, optimizer, False, optimizer_sharding, unpadded=True)
             sd["scheduler"] = scheduler.state_dict() if scheduler is not None else None
             sd["mgrpo"] = {"format": CHECKPOINT_FORMAT, "step": step}
             sd["rank_state"] = ShardedObject("mgrpo.rank_state", _pack({"rng": rng_state(), "extra": extra_state}),
@@ -398,6 +407,7 @@ def save_checkpoint(run_dir: os.PathLike | str, step: int, model_chunks, optimiz
                     "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "save_seconds": round(time.monotonic() - t0, 3),
                     "layout": _layout_info(), "num_model_chunks": len(_chunks(model_chunks)),
                     "optimizer": optimizer is not None, "optimizer_sharding": optimizer_sharding,
+                    "vocab_unpadded": True,
                     "scheduler": scheduler is not None, "versions": _versions()}
             _write_text_atomic(tmp / META_FILE, json.dumps(meta, indent=1) + "\n")
             _fsync_dir(tmp)
@@ -422,6 +432,30 @@ def save_checkpoint(run_dir: os.PathLike | str, step: int, model_chunks, optimiz
 # ------------------------------------------------------------------------------------------------
 
 
+def _resume_moved_rng(ckpt: Path, saved: dict, now: dict, states: list, load_rng: bool) -> None:
+    """RNG at another layout: each host stream (Python, NumPy, torch CPU) continues from the saved
+    one when every saved rank had the same (one seed, rank-independent draws); the device streams
+    and megatron's TP/EP RNG tracker are seeded per TP/EP/PP coordinate, which the new layout does
+    not have, so they start from the seed. Logged once, on rank 0."""
+    agree = agreeing_host_streams([s["rng"] for s in states])
+    if load_rng:
+        set_host_rng(states[0]["rng"], agree)
+    if _rank() != 0:
+        return
+    # info: `mgrpo train` says it once before the ranks start (launch/train_cli.py)
+    log.info("resuming %s at another layout: %s -> %s", ckpt, describe_layout(saved), describe_layout(now))
+    if not load_rng:
+        return
+    differ = [HOST_STREAMS[k] for k in HOST_STREAMS if k not in agree]
+    host_line = (f"the host RNG streams ({', '.join(HOST_STREAMS[k] for k in agree) or 'none'}) continue from "
+                 "the checkpoint" + (f"; {', '.join(differ)} differed between the saved ranks, so no one of them "
+                                     "is right for every new rank: not restored" if differ else ""))
+    warn_checkpoint(f"{ckpt} was saved at {describe_layout(saved)}, this run has {describe_layout(now)}: "
+                    f"{host_line}; the device RNG streams and megatron's TP/EP RNG tracker (dropout) are seeded "
+                    "per parallel rank, which the new layout does not have, so they restart from the seed and the "
+                    "run is not bit-identical to one without the layout change; every rank gets rank 0's extra state")
+
+
 def load_checkpoint(run_dir: os.PathLike | str, model_chunks, optimizer, scheduler, *,
                     path: Optional[os.PathLike | str] = None, load_optimizer: bool = True,
                     load_rng: bool = True, strict: bool = True) -> tuple[int, Any]:
@@ -439,7 +473,7 @@ def load_checkpoint(run_dir: os.PathLike | str, model_chunks, optimizer, schedul
     error = None
     if _rank() == 0:
         try:
-            chosen = str(path) if path is not None else find_latest_checkpoint(run_dir)
+            chosen = str(path) if path is not None else find_latest_checkpoint(run_dir, verify=True)
             chosen = None if chosen is None else str(chosen)
             if chosen is not None and read_run_meta(Path(chosen)) is None:
                 raise CheckpointError(f"{chosen} is not a complete megatron-grpo checkpoint (no valid {META_FILE})")
@@ -462,41 +496,49 @@ def load_checkpoint(run_dir: os.PathLike | str, model_chunks, optimizer, schedul
             if meta.get("num_model_chunks", 1) != len(chunks):
                 raise CheckpointError(f"{ckpt} holds {meta.get('num_model_chunks')} model chunk(s), this run has "
                                       f"{len(chunks)} (virtual pipeline size must match)")
-            saved_world = int(meta["layout"]["world_size"])
-            same_world = saved_world == _world()
+            saved_layout, now = meta["layout"], _layout_info()
+            try:
+                check_resumable(ckpt, meta, now)
+            except ValueError as e:
+                raise CheckpointError(str(e)) from None
+            saved_world = int(saved_layout["world_size"])
+            moved = layout_changed(saved_layout, now) or saved_world != _world()
             with_opt = load_optimizer and optimizer is not None and meta.get("optimizer", True)
             if with_opt:
-                _prepare_optimizer_for_loading(optimizer)
-            sd: dict = {}
-            for key, chunk in zip(_model_keys(len(chunks)), chunks):
-                sd[key] = chunk.sharded_state_dict()
-            if with_opt:
-                sd["optimizer"] = _optimizer_sharded_state_dict(
-                    optimizer, sd, True, meta.get("optimizer_sharding", DEFAULT_OPTIMIZER_SHARDING))
-            if same_world:
+                init_optimizer_state(optimizer)
+                _keep_adam_step_on_load(optimizer)
+            sd, unpadded = _sharded_state_dict(chunks, optimizer if with_opt else None, True,
+                                               meta.get("optimizer_sharding", "dp_reshardable"),
+                                               unpadded=bool(meta.get("vocab_unpadded")))
+            if not moved:
                 sd["rank_state"] = ShardedObject("mgrpo.rank_state", None, (saved_world,), (_rank(),), replica_id=0)
-            else:  # request every saved shard (megatron checks the access pattern covers them), use rank 0's
+            else:  # every rank reads every saved shard (rank 0 as the main replica, which megatron's
+                # access check wants exactly once per shard) and uses rank 0's
                 for r in range(saved_world):
                     sd[f"rank_state_{r}"] = ShardedObject("mgrpo.rank_state", None, (saved_world,), (r,),
-                                                          replica_id=0)
+                                                          replica_id=_rank())
             with torch.no_grad():
                 loaded = dist_checkpointing.load(sd, str(ckpt))
+                repad_vocab(loaded, unpadded)
                 for key, chunk in zip(_model_keys(len(chunks)), chunks):
                     chunk.load_state_dict(loaded[key], strict=strict)
                 if with_opt:
-                    optimizer.load_state_dict(loaded["optimizer"])
+                    osd = loaded["optimizer"]
+                    if meta.get("optimizer_sharding") == FULLY_RESHARDABLE:
+                        osd = join_optimizer_sd(optimizer, osd)
+                    optimizer.load_state_dict(osd)
                     _fix_shared_adam_steps(optimizer)
             if with_opt and scheduler is not None and loaded.get("scheduler") is not None:
                 scheduler.num_steps = 0  # load_state_dict adds the saved count to the current one
                 scheduler.load_state_dict(loaded["scheduler"])
-            rank_state = _unpack(loaded["rank_state"] if same_world else loaded["rank_state_0"])
-            if load_rng:
-                if same_world:
+            if not moved:
+                rank_state = _unpack(loaded["rank_state"])
+                if load_rng:
                     set_rng_state(rank_state["rng"])
-                elif _rank() == 0:
-                    warn_checkpoint(f"{ckpt} was saved by {saved_world} ranks, this run has {_world()}: RNG "
-                                    "states are not restored (the resumed run is not bit-identical) and every rank "
-                                    "gets rank 0's extra state")
+            else:
+                states = [_unpack(loaded[f"rank_state_{r}"]) for r in range(saved_world)]
+                rank_state = states[0]
+                _resume_moved_rng(ckpt, saved_layout, now, states, load_rng)
             result = (int(loaded["mgrpo"]["step"]), rank_state["extra"])
         except BaseException as e:  # noqa: BLE001
             error = e

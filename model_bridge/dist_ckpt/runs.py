@@ -6,8 +6,10 @@ Layout (``run_dir/checkpoints/``; ``megatron_grpo.engine.checkpoint`` writes it)
     step_00000012/                one complete checkpoint; its META_FILE marks it complete
     .tmp-step_00000014/           a save in progress, or one that died: ignored (warning)
 
-Lookup only (no collectives, no torch): the trainer resumes from :func:`find_latest_checkpoint` and
-``mgrpo convert mcore-to-hf`` takes a run directory through it.
+Lookup only (no collectives): the trainer resumes from :func:`find_latest_checkpoint` (with
+``verify``: the files of a candidate are checked against megatron's and torch's metadata, and a
+damaged one is passed over for the one before it) and ``mgrpo convert mcore-to-hf`` takes a run
+directory through it.
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ from pathlib import Path
 from typing import Optional
 
 __all__ = ["CHECKPOINT_FORMAT", "META_FILE", "LATEST_FILE", "checkpoint_root", "step_dirname",
-           "list_checkpoints", "find_latest_checkpoint", "read_run_meta"]
+           "list_checkpoints", "find_latest_checkpoint", "read_run_meta", "checkpoint_problem",
+           "CheckpointFilesError"]
 
 log = logging.getLogger("megatron_grpo.engine.checkpoint")  # the trainer's checkpoint log, where users look
 
@@ -63,8 +66,59 @@ def list_checkpoints(run_dir: os.PathLike | str) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
-def find_latest_checkpoint(run_dir: os.PathLike | str, *, warn: bool = True) -> Optional[Path]:
-    """The checkpoint to resume from (see the module doc), or None. Local: no collective."""
+def checkpoint_problem(path: Path) -> Optional[str]:
+    """Why the checkpoint files under ``path`` cannot be loaded (one line naming the file), or None.
+    Checks what can be checked without reading the tensors: megatron's ``metadata.json`` and
+    ``common.pt`` are there, torch's ``.metadata`` reads, and every data file it points into
+    exists and is long enough."""
+    for name in ("metadata.json", "common.pt", ".metadata"):
+        if not (path / name).is_file():
+            return f"{path / name} is missing"
+    try:
+        json.loads((path / "metadata.json").read_text())
+        from torch.distributed.checkpoint import FileSystemReader
+
+        storage = FileSystemReader(str(path)).read_metadata().storage_data
+    except Exception as e:  # noqa: BLE001 - any damage: name the file
+        return f"{path / '.metadata'} (or metadata.json) cannot be read: {type(e).__name__}: {str(e)[:200]}"
+    need: dict[str, int] = {}
+    for info in storage.values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for rel, size in sorted(need.items()):
+        f = path / rel
+        if not f.is_file():
+            return f"{f} is missing"
+        if f.stat().st_size < size:
+            return f"{f} is truncated ({f.stat().st_size} of at least {size} bytes)"
+    return None
+
+
+def find_latest_checkpoint(run_dir: os.PathLike | str, *, warn: bool = True, verify: bool = False) -> Optional[Path]:
+    """The checkpoint to resume from (see the module doc), or None. Local: no collective.
+    ``verify``: pass over damaged checkpoints (:func:`checkpoint_problem`, one warning each) for
+    the newest intact one; raises CheckpointFilesError when every complete one is damaged."""
+    chosen = _find_latest(run_dir, warn=warn)
+    if not verify or chosen is None:
+        return chosen
+    candidates = [chosen] + [p for _, p in reversed(list_checkpoints(run_dir)) if p != chosen]
+    problems = []
+    for p in candidates:
+        problem = checkpoint_problem(p)
+        if problem is None:
+            return p
+        problems.append(problem)
+        if warn:
+            warn_checkpoint(f"passing over damaged checkpoint {p.name}: {problem}")
+    raise CheckpointFilesError(f"no intact checkpoint under {checkpoint_root(run_dir)}: {problems[0]}"
+                               + (f" (and {len(problems) - 1} older one(s) damaged too)" if len(problems) > 1 else "")
+                               + "; restore the file from a copy, or start the run over in a new trainer.run_dir")
+
+
+class CheckpointFilesError(RuntimeError):
+    """Every complete checkpoint of a run has missing or damaged files."""
+
+
+def _find_latest(run_dir: os.PathLike | str, *, warn: bool = True) -> Optional[Path]:
     root = checkpoint_root(run_dir)
     if not root.is_dir():
         return None

@@ -111,7 +111,11 @@ def test_resume_health_wait_and_outcome_logic_present(rendered):
     wait = t.index("python -m launch.slurm.node wait-servers")
     assert wait < t.index("srun --ntasks-per-node=1")  # servers first, then torchrun
     assert '--count "$ROLLOUT_SERVERS" --timeout "$HEALTH_TIMEOUT" --rollout-log "$ROLLOUT_LOG"' in t
-    assert 'python -m launch.slurm.node has-checkpoint "$RUN_DIR"' in t and '(--resume "$RUN_DIR")' in t
+    assert 'python -m launch.slurm.node has-checkpoint "$RUN_DIR"' in t
+    # a run launched again with other nodes resumes at this job's layout (32 ranks), not the saved one
+    resume = re.search(r'TRAIN_ARGS=\(--resume "\$RUN_DIR" (.*)\)', t)
+    assert resume and re.fullmatch(r"parallel\.nproc=32 parallel\.tp=\d+ parallel\.pp=\d+ parallel\.ep=\d+ "
+                                   r"parallel\.etp=\d+", resume.group(1)), t
     assert '"rollout.server_urls=$URLS"' in t  # fresh URLs also on resume
     assert 'scontrol requeue "$SLURM_JOB_ID"' in t and '"$RUN_DIR/PREEMPTED"' in t and '"$RUN_DIR/DONE"' in t
     assert t.count('cancel_rollout "') == 3  # servers missing, finished, failed

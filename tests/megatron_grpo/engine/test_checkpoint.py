@@ -66,20 +66,22 @@ class _Data:
         self.position = int(state["position"])
 
 
-def _engine():
+def _engine(layout: dict):
     from megatron_grpo.engine.setup import OptimConfig, build_engine
-    from model_bridge.config import ParallelLayout
     from model_bridge.parallel import init_parallel
 
     torch.set_num_threads(1)
-    init_parallel(seed=1234)
+    init_parallel(seed=1234, **layout)
     optim = OptimConfig(lr=1e-3, weight_decay=0.01, warmup_steps=1, lr_decay_style="cosine", decay_steps=8,
                         clip_grad=1.0, adam_eps=1e-6)
     return optim, build_engine
 
 
-def _train_steps(hf_dir: str, run_dir: str, last_step: int, *, save_at: tuple = (), resume: bool = False) -> dict:
-    """Build the engine, optionally resume, train up to ``last_step`` (saving at ``save_at``)."""
+def _train_steps(hf_dir: str, run_dir: str, last_step: int, *, save_at: tuple = (), resume: bool = False,
+                 layout: dict | None = None, copy_to: str | None = None) -> dict:
+    """Build the engine at ``layout`` (ParallelLayout keywords), optionally resume (and save what
+    was loaded again, at this layout, under ``copy_to``), train up to ``last_step`` (saving at
+    ``save_at``)."""
     import random
 
     import numpy as np
@@ -92,13 +94,17 @@ def _train_steps(hf_dir: str, run_dir: str, last_step: int, *, save_at: tuple = 
     from megatron_grpo.packing import PackLimits, plan_step
     from model_bridge.config import ParallelLayout
 
+    layout = layout or {}
+    optim, build_engine = _engine(layout)
+    engine = build_engine(hf_dir, ParallelLayout(**layout), optim, dtype=torch.float32)
+    # after the build: CPU weight init draws differently at different layouts, and the data of
+    # every rank must be the same
     random.seed(99)
     np.random.seed(99)
-    optim, build_engine = _engine()
-    engine = build_engine(hf_dir, ParallelLayout(), optim, dtype=torch.float32)
+    torch.manual_seed(99)
     data, skips = _Data(), NonFiniteSkips(3)
     cfg = StepConfig(loss=LossConfig(variant="grpo", entropy_coef=0.01), logprob_chunk_size=64)
-    pack = PackLimits(max_tokens_per_microbatch=64)
+    pack = PackLimits(max_tokens_per_microbatch=64, pad_multiple=2)  # one packing for every layout (SP at TP2)
     out = {"losses": {}, "lrs": {}, "grad_norms": {}, "resumed_at": None}
     start = 1
     if resume:
@@ -107,6 +113,8 @@ def _train_steps(hf_dir: str, run_dir: str, last_step: int, *, save_at: tuple = 
         skips.load_state_dict(extra["skips"])
         out["resumed_at"], out["extra"], start = step, extra, step + 1
         out["params_loaded"] = {n: p.detach().clone() for n, p in engine.modules[0].named_parameters()}
+        if copy_to:
+            save_checkpoint(copy_to, step, engine.model, engine.optimizer, engine.scheduler, extra)
     for step in range(start, last_step + 1):
         trajs = data.next_batch()
         plan = plan_step([t.num_tokens for t in trajs], ps.get_data_parallel_world_size(), pack)
@@ -155,7 +163,7 @@ def _check_resume(world: int, hf_dir: str, run_dir: Path) -> str:
     ck = run_dir / "checkpoints"
     assert (ck / "latest").read_text().strip() == "step_00000002"
     meta = json.loads((ck / "step_00000002" / "mgrpo_checkpoint.json").read_text())
-    assert meta["step"] == 2 and meta["layout"]["world_size"] == world and meta["optimizer_sharding"] == "dp_reshardable"
+    assert meta["step"] == 2 and meta["layout"]["world_size"] == world and meta["optimizer_sharding"] == "fully_reshardable"
     for rank in range(world):
         a, b, c = first[rank]["uninterrupted"], first[rank]["saving"], second[rank]
         assert c["resumed_at"] == 2 and c["extra"]["data"] == {"position": 12} and c["data_position"] == 18
@@ -180,8 +188,8 @@ def _check_resume(world: int, hf_dir: str, run_dir: Path) -> str:
         bad = [n for n in saved if not torch.equal(saved[n], one["params_loaded"][n])]
         assert not bad, f"{len(bad)} parameters differ after loading a DP{world} checkpoint on one rank: {bad[:3]}"
         assert one["resumed_at"] == 2 and one["extra"]["data"] == {"position": 12}
-        assert any("saved by 2 ranks, this run has 1" in w for w in one["warnings"]), one["warnings"]
-        text += f"; loaded on 1 rank: weights equal, RNG-not-restored warning ({time.monotonic() - t3:.1f}s)"
+        assert any("(2 ranks), this run has" in w and "(1 ranks)" in w for w in one["warnings"]), one["warnings"]
+        text += f"; loaded on 1 rank: weights equal, layout-change RNG warning ({time.monotonic() - t3:.1f}s)"
     return text
 
 
@@ -268,13 +276,29 @@ def _bookkeeping(run_dir: str) -> dict:
     ck.save_checkpoint(run_dir, 6, [], None, None, {"step": 6, "rank": rank}, keep_last=2)
     out["after_6"] = names()
     out["load_6"] = load()
+    # damaged files in complete checkpoints: the newest intact one is used; none intact: one error
+    ck.save_checkpoint(run_dir, 7, [], None, None, {"step": 7, "rank": rank}, keep_last=3)
+    if rank == 0:
+        part = next((root / "step_00000007").glob("*.distcp"))
+        part.write_bytes(part.read_bytes()[:-5])
+        (root / "step_00000006" / ".metadata").unlink()
+    dist.barrier()
+    out["load_damaged"] = load()
+    if rank == 0:
+        for p in (root / "step_00000005").glob("*.distcp"):
+            p.unlink()
+    dist.barrier()
+    try:
+        out["none_intact"] = load()
+    except Exception as e:  # noqa: BLE001
+        out["none_intact"] = f"{type(e).__name__}: {e}"
     dist.destroy_process_group()
     return out
 
 
 def test_rotation_incomplete_and_crashed_saves(tmp_path):
     t0 = time.monotonic()
-    r0, r1 = run_ranks(_bookkeeping, 2, str(tmp_path), timeout=120, env=CPU_ONLY)
+    r0, r1 = run_ranks(_bookkeeping, 2, str(tmp_path), timeout=240, env=CPU_ONLY)
     wall = time.monotonic() - t0
     assert r0["empty"][:2] == (0, None)
     assert r0["after_4"] == ["latest", "step_00000003", "step_00000004"]
@@ -291,6 +315,15 @@ def test_rotation_incomplete_and_crashed_saves(tmp_path):
     assert r1["load_bad_latest"][:2] == (5, {"step": 5, "rank": 1})
     assert r0["after_6"] == ["latest", "step_00000005", "step_00000006"]
     assert r0["load_6"][:2] == (6, {"step": 6, "rank": 0})
+    step, extra, warns = r0["load_damaged"]
+    assert (step, extra) == (5, {"step": 5, "rank": 0}) and r1["load_damaged"][:2] == (5, {"step": 5, "rank": 1})
+    damaged = [w for w in warns if "passing over damaged checkpoint" in w]
+    assert len(damaged) == 2 and "step_00000007" in damaged[0] and "is truncated" in damaged[0], warns
+    assert "step_00000006" in damaged[1] and ".metadata is missing" in damaged[1], warns
+    for r in (r0, r1):  # one line, on every rank: the file and the fix
+        msg = r["none_intact"]
+        assert isinstance(msg, str) and "\n" not in msg and "no intact checkpoint under" in msg, msg
+        assert "step_00000007" in msg and "is truncated" in msg and "start the run over" in msg, msg
     print(f"\nbookkeeping on 2 ranks: {wall:.1f}s; died save -> {r0['died']}")
 
 
