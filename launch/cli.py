@@ -103,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_train_parser(sub)
 
+    from launch.sft_cli import add_sft_parser
+
+    add_sft_parser(sub)
+
     from launch.bench import add_bench_parser
 
     add_bench_parser(sub)
