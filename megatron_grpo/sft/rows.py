@@ -33,7 +33,7 @@ import numpy as np
 from megatron_grpo.data.audio import AudioError, crop_bounds, load_audio, probe_audio, resolve_audio_path
 from megatron_grpo.data.config import DataConfig
 from megatron_grpo.data.reader import PromptDataset, split_audio_tags
-from megatron_grpo.data.schema import AUDIO_TAG, ROLES, parse_tools, row_error
+from megatron_grpo.data.schema import AUDIO_TAG, ROLES, _type_name, parse_tools, row_error
 
 __all__ = ["SftRow", "read_sft_jsonl", "CROP_MIN_SECONDS"]
 
@@ -121,7 +121,7 @@ class _Row:
         try:
             crop_bounds(n, sr, c[0], c[1], min_seconds=CROP_MIN_SECONDS)
         except ValueError as e:
-            raise self.fail(f"{field} {json.dumps(c)}: {e} (the recording is {n / sr:.2f} s long)",
+            raise self.fail(f"{field} {json.dumps(c)}: {e}",
                             "crop inside the recording, start < end", "bad clips") from None
         return ("crop", float(c[0]), float(c[1]))
 
@@ -144,11 +144,13 @@ class _Row:
                 raise self.fail(f"{f} needs a 'role' of {', '.join(ROLES)}", 'write {"role": "assistant", '
                                 '"content": "..."}', "bad messages")
             role, content = m["role"], m.get("content")
+            if content is None and role == "assistant" and m.get("tool_calls"):
+                content = ""  # OpenAI's form of a reply that only calls tools
             if not isinstance(content, str):
-                raise self.fail(f"{f}.content must be a string, got {type(content).__name__}",
+                raise self.fail(f"{f}.content must be a string, got {_type_name(content)}",
                                 "write the text (with <audio> tags for clips) as a string", "bad messages")
             tags = content.count(AUDIO_TAG)
-            m = dict(m)
+            m = dict(m, content=content)
             if role == "user":
                 if n_user_tags + tags > len(paths):
                     raise self.fail(f"{f} has more {AUDIO_TAG} tags than 'audios' has entries ({len(paths)})",
