@@ -165,13 +165,13 @@ class SftSection:
     data: Optional[str] = None
     """The SFT JSONL (docs/sft.md). Unset: the embedded synthetic expert trajectories
     (`mgrpo make-data --sft` into $MGRPO_CACHE)."""
-    steps: int = 30
-    """Optimizer steps."""
+    steps: int = 100
+    """Optimizer steps (the embedded tiny model calls the tool well-formed after ~100 at lr 3e-3)."""
     samples_per_step: int = 8
     """Conversations per step (the global batch), packed over the data-parallel ranks."""
-    lr: Optional[float] = 1e-3
+    lr: Optional[float] = 3e-3
     """Peak learning rate of the SFT run (replaces ``optimizer.lr``; None keeps it). The default
-    suits the embedded tiny model; a released model wants ~1e-5."""
+    suits the embedded tiny model (loss 12.5 -> 0.29 in 100 steps); a released model wants ~1e-5."""
     run_dir: str = "runs/sft"
     """Where metrics, checkpoints and the exported model go; the HF checkpoint (a valid
     ``model.hf_dir`` for `mgrpo train`) is written to ``RUN_DIR/hf`` at the end."""
