@@ -212,4 +212,5 @@ def make_data(out_dir, n: int = 200, n_dev: int = 16, seed: int = 0, *,
     train_jsonl, train_s = _write_split(out, "train", n, seed, kinds, progress, sft_jsonl)
     dev_jsonl, dev_s = _write_split(out, "dev", n_dev, seed, kinds, progress)
     return {"out_dir": str(out), "train_jsonl": str(train_jsonl), "dev_jsonl": str(dev_jsonl),
-            "sft_jsonl": str(sft_jsonl) if sft else None, "n_train": n, "n_dev": n_dev, "n_audio": n + n_dev, "audio_seconds": round(train_s + dev_s, 3)}
+            "n_train": n, "n_dev": n_dev, "n_audio": n + n_dev, "audio_seconds": round(train_s + dev_s, 3),
+            **({"sft_jsonl": str(sft_jsonl)} if sft else {})}
