@@ -12,7 +12,8 @@ logits gathered, ``torch.log_softmax``, the loss of ``algo.losses.policy_loss`` 
 concatenation of all samples, ``backward``. Gradients are compared in HF naming (TP/EP shards
 gathered with the bridge's mappings), so every layout is checked against the same numbers. The
 MoE aux loss is off for parity (it depends on which tokens share a micro-batch); a separate test
-shows that, when on, it reaches the router gradients with megatron's scaling.
+shows that, when on, it reaches the router gradients with megatron's scaling. The SFT objective
+(`mgrpo sft`) is checked the same way against the reference's token-mean NLL of the same samples.
 """
 from __future__ import annotations
 
