@@ -47,13 +47,14 @@ def _cmd_make_data(args: argparse.Namespace) -> int:
     if args.n < 0 or args.n_dev < 0:
         _die(f"mgrpo make-data: --n and --n-dev must be >= 0, got {args.n} and {args.n_dev}")
     try:
-        summary = make_data(args.out, n=args.n, n_dev=args.n_dev, seed=args.seed, speech=args.speech)
+        summary = make_data(args.out, n=args.n, n_dev=args.n_dev, seed=args.seed, speech=args.speech, sft=args.sft)
     except RuntimeError as e:  # --speech without espeak-ng
         _die(f"mgrpo make-data: {e}")
     print(f"synthetic audio-agent data written to {summary['out_dir']}: "
           f"{summary['n_train']} train rows ({summary['train_jsonl']}), "
           f"{summary['n_dev']} dev rows ({summary['dev_jsonl']}), "
-          f"{summary['n_audio']} audio files, {summary['audio_seconds'] / 60:.1f} min of audio")
+          f"{summary['n_audio']} audio files, {summary['audio_seconds'] / 60:.1f} min of audio"
+          + (f"; expert trajectories for `mgrpo sft` in {summary['sft_jsonl']}" if args.sft else ""))
     return 0
 
 
@@ -85,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="seed (same seed -> identical files)")
     s.add_argument("--speech", action="store_true",
                    help="add spoken-word events (needs espeak-ng on PATH)")
+    s.add_argument("--sft", action="store_true",
+                   help="also write OUT/sft.jsonl: an expert crop_audio trajectory per train row (for `mgrpo sft`)")
     s.add_argument("--force", action="store_true", help="write into a non-empty --out")
     s.set_defaults(func=_cmd_make_data)
 
@@ -99,6 +102,10 @@ def build_parser() -> argparse.ArgumentParser:
     from launch.train_cli import add_train_parser
 
     add_train_parser(sub)
+
+    from launch.sft_cli import add_sft_parser
+
+    add_sft_parser(sub)
 
     from launch.bench import add_bench_parser
 

@@ -35,7 +35,9 @@ def _positive_int(text: str) -> int:
     return n
 
 
-def _load(args):
+def _load(args, cmd: str = "train", run_dir_key: str = "trainer"):
+    """The run's config: defaults <- --config <- overrides, or a run dir's saved config on --resume
+    (its ``run_dir_key``.run_dir set to that dir)."""
     from megatron_grpo.config import TrainConfig, load_train_config
     from megatron_grpo.configtree import ConfigKeyError, load_config
 
@@ -49,11 +51,11 @@ def _load(args):
         saved = Path(args.resume) / "config.json"
         if not saved.is_file():
             what = "does not exist" if not Path(args.resume).exists() else "has no config.json (not a run dir)"
-            raise ConfigKeyError(f"--resume {args.resume} {what}: pass the trainer.run_dir of an earlier "
-                                 "`mgrpo train` (it holds config.json and checkpoints/), or start a new run "
+            raise ConfigKeyError(f"--resume {args.resume} {what}: pass the {run_dir_key}.run_dir of an earlier "
+                                 f"`mgrpo {cmd}` (it holds config.json and checkpoints/), or start a new run "
                                  "with --config")
         base = json.loads(saved.read_text())
-        base.setdefault("trainer", {})["run_dir"] = str(args.resume)
+        base.setdefault(run_dir_key, {})["run_dir"] = str(args.resume)
         return load_config(TrainConfig, None, overrides, base=base)
     return load_train_config(args.config, overrides)
 
@@ -175,7 +177,7 @@ def _report_line(cfg, run_dir: Path) -> str:
             "`mgrpo report RUN_DIR`")
 
 
-_PREFLIGHT_DONE = "MGRPO_PREFLIGHT_DONE"
+PREFLIGHT_DONE = "MGRPOPREFLIGHT_DONE"
 """Set in the environment of the ranks `mgrpo train` spawns itself: it has checked the run already."""
 
 
@@ -191,7 +193,7 @@ def run_train(args: argparse.Namespace) -> int:
         return 2
     slurm_to_torch_env()
     nproc = cfg.parallel.nproc
-    if os.environ.get("RANK", "0") == "0" and not os.environ.get(_PREFLIGHT_DONE):
+    if os.environ.get("RANK", "0") == "0" and not os.environ.get(PREFLIGHT_DONE):
         try:  # fail fast, in one line, before any rank starts (once: not again in the ranks spawned below)
             _check_run_dir(cfg.trainer.run_dir, bool(args.resume))
             if args.resume:
@@ -235,14 +237,20 @@ _RANK_STOP_GRACE_S = 30.0
 def _spawn_train_ranks(args: argparse.Namespace, nproc: int) -> int:
     """Run `mgrpo train` as ``nproc`` ranks on this machine; the first non-zero exit code (a failing
     rank takes the others down), 130 on Ctrl-C, else 0."""
+    return spawn_ranks(_train_rank, args, nproc)
+
+
+def spawn_ranks(rank_fn, args: argparse.Namespace, nproc: int) -> int:
+    """Run ``rank_fn(args)`` as ``nproc`` ranks on this machine (they skip the pre-flight checks
+    already done here); the first non-zero exit code, 130 on Ctrl-C, else 0."""
     from model_bridge.spawn import run_ranks
 
     rank_args = argparse.Namespace(**{**vars(args), "overrides": [*args.overrides, f"parallel.nproc={nproc}"]})
     # each rank gets an even share of the cores unless the user chose
     threads = os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 1) // nproc))
     try:
-        run_ranks(_train_rank, nproc, rank_args, timeout=None, stop_grace_s=_RANK_STOP_GRACE_S,
-                  env={_PREFLIGHT_DONE: "1", "OMP_NUM_THREADS": threads})
+        run_ranks(rank_fn, nproc, rank_args, timeout=None, stop_grace_s=_RANK_STOP_GRACE_S,
+                  env={PREFLIGHT_DONE: "1", "OMP_NUM_THREADS": threads})
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 1
     except KeyboardInterrupt:

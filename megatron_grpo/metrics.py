@@ -39,8 +39,11 @@ def read_metrics(path: str | Path, text: str | None = None) -> list[dict]:
 class MetricsLogger:
     """Appends per-step metrics to run_dir/metrics.jsonl (+ TensorBoard, + curves.png)."""
 
-    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, plot: bool = True):
+    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, plot: bool = True,
+                 plotted: tuple = PLOTTED):
         self.run_dir = Path(run_dir)
+        self.plotted = plotted
+        """(metric, title) of each panel of curves.png."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
         self.plot_path = self.run_dir / "curves.png" if plot else None
@@ -82,8 +85,8 @@ class MetricsLogger:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, axes = plt.subplots(1, len(PLOTTED), figsize=(5 * len(PLOTTED), 3.5))
-        for ax, (key, title) in zip(axes, PLOTTED):
+        fig, axes = plt.subplots(1, len(self.plotted), figsize=(5 * len(self.plotted), 3.5))
+        for ax, (key, title) in zip(axes, self.plotted):
             pts = [(h["step"], h[key]) for h in self.history if isinstance(h.get(key), float)]
             if pts:
                 ax.plot(*zip(*pts), marker="o", ms=3)

@@ -121,13 +121,14 @@ def _mmss(sec: float) -> str:
 
 
 def _write_split(out_dir: Path, split: str, n: int, seed: int, kinds: list[ev.Kind],
-                 progress: bool) -> tuple[Path, float]:
+                 progress: bool, sft_jsonl: Path | None = None) -> tuple[Path, float]:
     plan_rng = np.random.default_rng(np.random.SeedSequence([seed, _SPLIT_CODE[split], 1 << 20]))
     durations = _durations(plan_rng, n)
     formats = _formats(plan_rng, durations)
     jsonl = out_dir / f"{split}.jsonl"
     total_s = 0.0
     bar = _progress(n, f"make-data {split}", progress)
+    sft = open(sft_jsonl, "w", encoding="utf-8", newline="\n") if sft_jsonl else None
     with open(jsonl, "w", encoding="utf-8", newline="\n") as f:
         for i in range(n):
             rng = np.random.default_rng(np.random.SeedSequence([seed, _SPLIT_CODE[split], i]))
@@ -151,8 +152,16 @@ def _write_split(out_dir: Path, split: str, n: int, seed: int, kinds: list[ev.Ki
                 "distractors": [d.to_json() for d in distractors],
             }
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            if sft:  # its own random stream: the prompt rows are the same with and without --sft
+                from megatron_grpo.data.synth_sft import expert_messages
+                expert_rng = np.random.default_rng(np.random.SeedSequence([seed, _SPLIT_CODE[split], i, 2]))
+                sft_row = {k: row[k] for k in ("tools", "audios", "ground_truth", "id")}
+                sft_row["messages"] = row["messages"] + expert_messages(expert_rng, target, audio)
+                sft.write(json.dumps(sft_row, ensure_ascii=False) + "\n")
             total_s += len(audio) / ev.SR
             bar.update(1)
+    if sft:
+        sft.close()
     bar.close()
     return jsonl, total_s
 
@@ -184,11 +193,12 @@ def _progress(total: int, desc: str, enabled: bool):
 
 
 def make_data(out_dir, n: int = 200, n_dev: int = 16, seed: int = 0, *,
-              speech: bool | None = False, progress: bool = True) -> dict:
+              speech: bool | None = False, progress: bool = True, sft: bool = False) -> dict:
     """Write ``out_dir/train.jsonl`` (n rows), ``out_dir/dev.jsonl`` (n_dev rows) and their audio
     under ``out_dir/audio/``.  ``speech``: include spoken-word events (needs ``espeak-ng``);
-    None = when ``espeak-ng`` is on PATH; default off (same files on every machine).  Returns a
-    summary dict."""
+    None = when ``espeak-ng`` is on PATH; default off (same files on every machine).  ``sft``: also
+    ``out_dir/sft.jsonl``, an expert trajectory per train row (``synth_sft``) for `mgrpo sft`.
+    Returns a summary dict."""
     if n < 0 or n_dev < 0:
         raise ValueError(f"n and n_dev must be >= 0, got n={n}, n_dev={n_dev}")
     if speech is None:
@@ -198,7 +208,9 @@ def make_data(out_dir, n: int = 200, n_dev: int = 16, seed: int = 0, *,
     out = Path(out_dir)
     (out / "audio").mkdir(parents=True, exist_ok=True)
     kinds = ev.available_kinds(speech)
-    train_jsonl, train_s = _write_split(out, "train", n, seed, kinds, progress)
+    sft_jsonl = out / "sft.jsonl" if sft else None
+    train_jsonl, train_s = _write_split(out, "train", n, seed, kinds, progress, sft_jsonl)
     dev_jsonl, dev_s = _write_split(out, "dev", n_dev, seed, kinds, progress)
     return {"out_dir": str(out), "train_jsonl": str(train_jsonl), "dev_jsonl": str(dev_jsonl),
-            "n_train": n, "n_dev": n_dev, "n_audio": n + n_dev, "audio_seconds": round(train_s + dev_s, 3)}
+            "n_train": n, "n_dev": n_dev, "n_audio": n + n_dev, "audio_seconds": round(train_s + dev_s, 3),
+            **({"sft_jsonl": str(sft_jsonl)} if sft else {})}

@@ -63,6 +63,7 @@ import torch.distributed as dist
 
 from megatron_grpo.algo.importance import ISConfig, importance_weights
 from megatron_grpo.algo.losses import LossConfig, metric_reduce_op, policy_loss, reduce_metrics
+from megatron_grpo.algo.sft import sft_loss
 
 from .batch import TrainMicroBatch
 from .forward import DEFAULT_FUSED_LM_HEAD, fill_old_logprobs, is_last_stage, model_device, run_schedule
@@ -99,8 +100,13 @@ class StepConfig:
     """MoE routing replay in the training forward (``engine.routes``): "r3" replays each micro-batch's
     ``routed_experts_TLK`` (the rollout server's routes), "r2" the routes the old-policy logprob pass
     of the step chose (that pass then always runs); None routes as the router chooses."""
+    objective: str = "grpo"
+    """"grpo": the policy loss of ``loss`` with the ``importance`` correction; "sft": the token-mean
+    NLL of the loss-mask tokens (``algo.sft``; advantages, rollout logprobs and IS are unused)."""
 
     def __post_init__(self):
+        if self.objective not in ("grpo", "sft"):
+            raise ValueError(f"StepConfig.objective must be 'grpo' or 'sft', got {self.objective!r}")
         if self.routing_replay not in (None, "r2", "r3"):
             raise ValueError(f"StepConfig.routing_replay must be None, 'r2' or 'r3', got {self.routing_replay!r}")
         if int(self.max_consecutive_skips) != self.max_consecutive_skips or self.max_consecutive_skips < 1:
@@ -218,7 +224,7 @@ def _keep_masks(microbatches: Sequence[TrainMicroBatch], config: StepConfig) -> 
     out = []
     for m in microbatches:
         mask = m.loss_mask_T.to(torch.bool)
-        if config.importance.mode == "mis":
+        if config.importance.mode == "mis" and config.objective == "grpo":
             res = importance_weights(m.old_logprobs_T, m.rollout_logprobs_T, mask, m.sample_index_T,
                                      config=config.importance)
             mask = res.keep_mask_T
@@ -241,6 +247,9 @@ def _loss_for(vocab_size: int, config: StepConfig, norms: dict, scale: float, lo
     lp_T, ent_T = token_logprobs(output, tmb.input_ids_T, tmb.cu_seqlens_S, vocab_size=vocab_size,
                                  token_mask_T=mask_T, chunk_size=config.logprob_chunk_size,
                                  with_entropy=config.with_entropy, lm_head_weight=lm_head_weight)
+    if config.objective == "sft":
+        loss, metrics = sft_loss(lp_T, mask_T, global_num_tokens=norms["tokens"], entropy_T=ent_T)
+        return loss * scale, metrics
     old_T = tmb.old_logprobs_T if tmb.old_logprobs_T is not None else lp_T.detach()
     if logprobs_out is not None:
         _keep_sample_logprobs(logprobs_out, tmb, old_T)
@@ -296,7 +305,7 @@ def forward_backward(engine, microbatches: Sequence[TrainMicroBatch], config: St
     M = len(microbatches)
     # MIS needs the behaviour logprobs before counting; only the last stage holds them, so every
     # rank learns from the same all-reduce whether the extra forward pass runs (else PP would hang)
-    missing_old = config.importance.mode == "mis" and is_last_stage() and \
+    missing_old = config.importance.mode == "mis" and config.objective == "grpo" and is_last_stage() and \
         any(m.old_logprobs_T is None for m in microbatches)
     need_old = _agree(_validate(engine, microbatches, config), M, missing_old) or config.routing_replay == "r2"
     if M == 0:

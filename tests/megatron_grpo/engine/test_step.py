@@ -12,7 +12,8 @@ logits gathered, ``torch.log_softmax``, the loss of ``algo.losses.policy_loss`` 
 concatenation of all samples, ``backward``. Gradients are compared in HF naming (TP/EP shards
 gathered with the bridge's mappings), so every layout is checked against the same numbers. The
 MoE aux loss is off for parity (it depends on which tokens share a micro-batch); a separate test
-shows that, when on, it reaches the router gradients with megatron's scaling.
+shows that, when on, it reaches the router gradients with megatron's scaling. The SFT objective
+(`mgrpo sft`) is checked the same way against the reference's token-mean NLL of the same samples.
 """
 from __future__ import annotations
 
@@ -194,13 +195,18 @@ def reference_run(hf_dir: str, data: dict) -> dict:
     loss, metrics = policy_loss(lp_T, lp_T.detach(), adv_T, isr.keep_mask_T, sid_T, config=cfg.loss,
                                 global_num_tokens=n_tok, global_num_samples=n_samp, ref_logprobs_T=ref_T,
                                 is_weights_T=isr.weights_T, entropy_T=ent_T)
-    loss.backward()
+    loss.backward(retain_graph=True)
     grads = hf_tensors(model, spec, "grad")
+    # the SFT objective on the same samples: token-mean NLL of the loss tokens, its own backward
+    model.zero_grad(set_to_none=True)
+    sft_loss = -lp_T[mask_T].sum() / n_tok
+    sft_loss.backward()
+    sft = {"loss": sft_loss.item(), "grads": hf_tensors(model, spec, "grad")}
     out = {"data": data, "loss": loss.item(), "grads": grads, "params": hf_tensors(model, spec, "param"),
            "grad_norm": math.sqrt(sum(float((g.double() ** 2).sum()) for g in grads.values())),
            "logprobs": per_sample, "masks": [torch.tensor(t.loss_mask_T, dtype=torch.bool) for t in trajs],
            "is_truncated_frac": float(isr.metrics["is_truncated_frac"]),
-           "metrics": {k: float(v) for k, v in metrics.items()}}
+           "metrics": {k: float(v) for k, v in metrics.items()}, "sft": sft}
     destroy_parallel()
     return out
 
@@ -285,6 +291,23 @@ def layout_run(hf_dir: str, data: dict, tp: int, ep: int, pp: int, adam: bool) -
         except StepError as e:
             out["mismatch"] = str(e)
     out["seconds"] = time.time() - t0
+    destroy_parallel()
+    return out
+
+
+def sft_run(hf_dir: str, data: dict, tp: int, ep: int) -> dict:
+    """One rank of a layout: the packed step's SFT loss and grads (``StepConfig(objective="sft")``)."""
+    from megatron_grpo.algo.importance import ISConfig
+    from megatron_grpo.engine.step import StepConfig, forward_backward
+    from model_bridge.parallel import destroy_parallel
+
+    engine = _setup_rank(hf_dir, tp=tp, ep=ep, moe_aux_loss_coeff=0.0)
+    _, mbs = _rank_microbatches(engine, hf_dir, data)
+    for m in engine.model:
+        m.zero_grad_buffer()
+    cfg = StepConfig(objective="sft", importance=ISConfig(mode="off"), logprob_chunk_size=64)
+    metrics = forward_backward(engine, mbs, cfg, force_all_reduce=True)
+    out = {"loss": metrics["loss"], "grads": hf_tensors(engine.model, engine.spec, "grad")}
     destroy_parallel()
     return out
 
@@ -463,6 +486,22 @@ def test_layout_matches_unpacked_reference(tiny_ckpt, data, reference, tp, ep, p
     if adam:  # dense and expert parameters in two distributed optimizers, clipped by one global norm
         assert len(res[0]["optimizers"]) == 2, res[0]["optimizers"]
         _check_adam(res, reference, f"tp{tp} ep{ep} pp{pp}")
+
+
+@pytest.mark.slow  # two worlds of 2 on 2 cores: ~20 s
+@pytest.mark.parametrize("tp,ep", [pytest.param(2, 1, id="tp2sp"), pytest.param(1, 2, id="ep2")])
+def test_sft_step_matches_unpacked_reference(tiny_ckpt, data, reference, tp, ep):
+    """`mgrpo sft`'s step: the packed multi-rank SFT loss and grads equal the unpacked NLL's."""
+    res = run_ranks(sft_run, 2, str(tiny_ckpt), data, tp, ep, timeout=300, env=CPU_ONLY)
+    ref = reference["sft"]
+    grads = {}
+    for r in res:
+        assert abs(r["loss"] - ref["loss"]) <= 1e-6 * ref["loss"], (r["loss"], ref["loss"])  # fp32: relative
+        grads.update(r["grads"])
+    assert set(grads) == set(ref["grads"])
+    gmax = max(g.abs().max().item() for g in ref["grads"].values())
+    worst = max((grads[k] - g).abs().max().item() for k, g in ref["grads"].items())
+    assert worst <= 1e-5 * gmax, (worst, gmax)
 
 
 @pytest.mark.slow  # world 4 on 2 cores: ~30 s
