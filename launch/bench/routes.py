@@ -12,6 +12,8 @@ per generated token of every request, their medians and the overhead per generat
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import asyncio
 import json
 import sys
@@ -35,10 +37,23 @@ async def _one(client, url: str, routes: bool, i: int, prompt: int, tokens: int)
     return secs
 
 
+@contextlib.contextmanager
+def _env(extra: dict):
+    saved = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def run_bench(model: str, out_dir, requests: int = 8, prompt: int = 256, tokens: int = 64, dtype: str = "auto") -> dict:
     """Both servers up at once, requests alternating between them (the same machine load for
     both); the medians of seconds per generated token."""
-    import contextlib
     import statistics
 
     from megatron_grpo.rollout.client import RolloutClient
@@ -47,10 +62,16 @@ def run_bench(model: str, out_dir, requests: int = 8, prompt: int = 256, tokens:
 
     with contextlib.ExitStack() as stack:
         urls = {}
-        for routes in (False, True):
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        for i, routes in enumerate((False, True)):
             spec = ServerSpec(model=model, served_model_name="bench", dtype=dtype, return_routed_experts=routes)
             log = Path(tempfile.gettempdir()) / f"mgrpo-bench-routes-{spec.port}.log"
-            urls[routes] = stack.enter_context(VLLMServer(spec, log).start(timeout=1800)).url
+            # vLLM's CPU worker binds its threads to core 0 by default: both servers would share it
+            # and time each other's requests; on a CPU machine each gets a core of its own
+            bind = {"VLLM_CPU_OMP_THREADS_BIND": str(cores[i % len(cores)])} \
+                if cores and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ else {}
+            with _env(bind):
+                urls[routes] = stack.enter_context(VLLMServer(spec, log).start(timeout=1800)).url
 
         async def go():
             times = {False: [], True: []}
