@@ -50,11 +50,38 @@ from megatron_grpo.weight_sync.gloo import (
 from megatron_grpo.weight_sync.push import PAUSE_MODES, PushStats, WeightPushError, WeightReceiver, _recover
 from megatron_grpo.weight_sync.shards import ShardEntry, owned_shards
 
-__all__ = ["push_multisource", "plan_buckets"]
+__all__ = ["push_multisource", "plan_buckets", "resolve_mode"]
 
 # server index -> (pg, store, group world size) of this (non-zero) sender; rank 0 keeps its groups in
 # the WeightReceivers' transports
 _GROUPS: dict[int, tuple[Any, Any, int]] = {}
+
+
+_FALLBACK_SAID: set[str] = set()
+
+
+def resolve_mode(mode: str, backend: str | None = None, world_size: int | None = None) -> str:
+    """`weight_sync.mode` -> "gather" or "multisource" for this job, the same on every rank (from
+    the machine's default data plane, `push.default_backend`, and the world size). An explicit
+    multisource that cannot run here falls back to gather and says why, once."""
+    from megatron_grpo.weight_sync.push import default_backend
+
+    if mode not in ("auto", "gather", "multisource"):
+        raise ValueError(f"weight_sync.mode must be auto, gather or multisource, got {mode!r}")
+    backend = backend or default_backend()
+    if world_size is None:
+        world_size = dist.get_world_size() if dist.is_initialized() else 1
+    if mode == "gather" or world_size == 1:
+        return "gather"  # one rank owns every shard: the same bytes from the same place
+    if backend == "gloo":
+        return "multisource"
+    if mode == "multisource" and backend not in _FALLBACK_SAID:
+        _FALLBACK_SAID.add(backend)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(f"[weight_sync] mode=multisource falls back to gather on the {backend} data plane: vLLM's "
+                  "nccl_m2n many-to-many engine is not wired to our export yet (multisource runs on gloo "
+                  "servers)", flush=True)
+    return "gather"
 
 
 def plan_buckets(entries: list[ShardEntry], bucket_bytes: int) -> list[list[ShardEntry]]:
