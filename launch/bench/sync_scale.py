@@ -135,12 +135,13 @@ def _sender_rank(opts: dict):
 
 
 def run_senders(senders: int, payload_mb: float = 256, bucket_mb: float = 16, iters: int = 3, warmup: int = 1,
-                timeout_s: float = 600) -> dict:
-    """1 and `senders` sender processes into one receiver over the product's gloo p2p (module doc)."""
+                timeout_s: float = 600, baseline: bool = True) -> dict:
+    """`senders` (and with `baseline` 1) sender processes into one receiver over the product's gloo p2p
+    (module doc); {senders: {seconds, gb_per_s, payload_bytes, sent_bytes per sender}}."""
     from model_bridge.spawn import run_ranks
 
     out = {}
-    for n in sorted({1, senders}):
+    for n in sorted({1, senders} if baseline else {senders}):
         opts = dict(payload_mb=payload_mb, bucket_mb=bucket_mb, iters=iters, warmup=warmup, timeout_s=timeout_s)
         vals = run_ranks(_sender_rank, n + 1, opts, timeout=timeout_s, env={"CUDA_VISIBLE_DEVICES": ""})
         rx = vals[-1]

@@ -196,3 +196,15 @@ def test_multisource_matches_gather_and_survives_a_dead_sender(vllm_server, tiny
                 assert st["sent"]["sent_bytes"] == st["own"] > 0, (layout, rank, st)
     finally:
         restore_checkpoint_weights(vllm_server)
+
+
+def test_resolve_mode(capsys):
+    from megatron_grpo.weight_sync.multisource import resolve_mode
+
+    assert resolve_mode("auto", "gloo", 2) == resolve_mode("multisource", "gloo", 4) == "multisource"
+    assert resolve_mode("auto", "gloo", 1) == resolve_mode("gather", "gloo", 2) == "gather"
+    assert resolve_mode("auto", "nccl", 8) == "gather" and capsys.readouterr().out == ""
+    assert resolve_mode("multisource", "nccl", 8) == resolve_mode("multisource", "nccl", 8) == "gather"
+    assert capsys.readouterr().out.count("falls back to gather on the nccl data plane") == 1
+    with pytest.raises(ValueError, match="weight_sync.mode must be auto, gather or multisource"):
+        resolve_mode("fast", "gloo", 2)
