@@ -167,9 +167,30 @@ def _wait_all(works: list, poll: Callable[[], None] | None, what: Callable[[int]
         raise TransportError(f"{what(i)}: {errors[i]}") from errors[i]
 
 
+def _abandon(works: list, keep: list) -> None:
+    """Leave posted works to a daemon thread that holds their buffers until they end (with the
+    group or the peer): freeing a buffer gloo still writes into would corrupt memory."""
+    def _wait(objs):
+        for w in objs[0]:
+            try:
+                w.wait()
+            except Exception:  # noqa: BLE001 - the failure is already reported
+                pass
+        objs.clear()
+
+    if works:
+        threading.Thread(target=_wait, args=([works, keep],), daemon=True, name="mgrpo-gloo-p2p-reaper").start()
+
+
 def send_to(pg, buf: torch.Tensor, dsts: list[int], poll: Callable[[], None] | None = None) -> None:
     """Multi-source push, sender side: send one packed bucket to each of the group ranks `dsts`."""
-    works = [pg.send([buf], int(d), P2P_TAG) for d in dsts]
+    works = []
+    for d in dsts:
+        try:
+            works.append(pg.send([buf], int(d), P2P_TAG))
+        except RuntimeError as e:
+            _abandon(works, [buf])
+            raise TransportError(f"gloo send of {buf.numel() / 1e6:.1f} MB to group rank {d} failed: {e}") from e
     _wait_all(works, poll, lambda i: f"gloo send of {buf.numel() / 1e6:.1f} MB to group rank {dsts[i]} failed",
               [buf])
 
@@ -187,7 +208,11 @@ def recv_sources(pg, runs: list[tuple[int, list[str], list[str], list[list[int]]
         buf = torch.empty(total, dtype=torch.uint8)
         bufs.append(buf)
         layouts.append((names, dtypes, shapes))
-        works.append(pg.recv([buf], int(src), P2P_TAG))
+        try:  # a source that is already gone fails here, not in the wait
+            works.append(pg.recv([buf], int(src), P2P_TAG))
+        except RuntimeError as e:
+            _abandon(works, bufs)
+            raise TransportError(f"gloo receive of {total / 1e6:.1f} MB from {label(src)} failed: {e}") from e
     _wait_all(works, poll, lambda i: f"gloo receive of {bufs[i].numel() / 1e6:.1f} MB from "
                                      f"{label(runs[i][0])} failed", bufs)
     return [(src, unpack_bucket(buf, *lay)) for (src, *_), buf, lay in zip(runs, bufs, layouts)]

@@ -1,7 +1,7 @@
 """Multi-source weight push (weight_sync/multisource.py) from real gloo trainer ranks into the real
 vLLM CPU server (the session `vllm_server`).
 
-At EP2 and TP2 the tiny model, perturbed on the ranks, is pushed twice into the server: by every
+At EP2, TP2, PP2 and TP2xEP2 (2 ranks) the tiny model, perturbed on the ranks, is pushed twice into the server: by every
 rank that owns a shard (multisource) and through `export_to_rank0` + `push` (gather); the served
 prompt logprobs agree (fp32, <= 1e-5) and differ from the checkpoint's. Each rank's sent bytes equal
 its own shards by Megatron's own parameter attributes (expert / tensor-parallel), and the server's
@@ -157,7 +157,7 @@ def test_mapping_spec_round_trip_merges_like_the_table():
         mapping_from_spec({"kind": "Nope"})
 
 
-@pytest.mark.slow  # ~60 s on 2 shared cores (two 2-rank runs, five pushes)
+@pytest.mark.slow  # ~100 s on 2 shared cores (two 2-rank runs, nine pushes)
 def test_multisource_matches_gather_and_survives_a_dead_sender(vllm_server, tiny_ckpt, tmp_path, monkeypatch):
     from conftest import restore_checkpoint_weights
 
@@ -178,9 +178,9 @@ def test_multisource_matches_gather_and_survives_a_dead_sender(vllm_server, tiny
         assert err["version"] == version and not err["paused"]
         assert max(abs(a - b) for a, b in zip(served_prompt_logprobs(url), before)) <= ATOL
 
-        # 2. the next pushes land: multisource equals gather at EP2 and TP2
+        # 2. the next pushes land: multisource equals gather at every layout
         monkeypatch.setattr(spawn, "_GRACE_S", 1.0)
-        layouts = [(1, 2, 1, 1), (2, 1, 2, 1)]
+        layouts = [(1, 2, 1, 1), (2, 1, 2, 1), (1, 1, 1, 2), (2, 2, 1, 1)]  # EP2, TP2, PP2, TP2xEP2
         per_rank = run_ranks(_layouts, 2, str(tiny_ckpt), url, layouts, timeout=400)
         for i, layout in enumerate(layouts):
             r0 = per_rank[0][i]
