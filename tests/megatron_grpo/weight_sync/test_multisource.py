@@ -139,6 +139,54 @@ def _dies(hf_dir, url, result_file):
             rx.close()
 
 
+def _assembled(hf_dir, layouts):
+    """Rank body, no server: every rank's owned shards, packed and unpacked as on the wire, merged on
+    rank 0 by `ShardAssembler`, against rank 0's `export_to_rank0` stream (name -> bytes)."""
+    import torch.distributed as dist
+
+    from megatron_grpo.weight_sync.buckets import pack_bucket, unpack_bucket
+    from megatron_grpo.weight_sync.gather import export_to_rank0
+    from megatron_grpo.weight_sync.multisource import plan_buckets
+    from megatron_grpo.weight_sync.shards import owned_shards
+
+    out = []
+    for layout in layouts:
+        model = _build(hf_dir, *layout)
+        wire = []
+        for bucket in plan_buckets(owned_shards(model), BUCKET):
+            buf = pack_bucket([e.tensor for e in bucket])
+            views = unpack_bucket(buf, [e.wire_name for e in bucket], [e.tensor.dtype for e in bucket],
+                                  [list(e.tensor.shape) for e in bucket])
+            wire += [(e.meta(), t) for e, (_, t) in zip(bucket, views)]
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, wire)
+        stream = {n: _bytes(t) for n, t in export_to_rank0(model)}
+        if dist.get_rank() == 0:
+            asm, merged = ShardAssembler(), {}
+            for shards in every:
+                for meta, t in shards:
+                    for n, x in asm.add(meta, t):
+                        assert n not in merged, n
+                        merged[n] = _bytes(x)
+            assert asm.missing() == [], (layout, asm.missing())
+            out.append((layout, sorted(merged) == sorted(stream),
+                        [n for n in stream if merged.get(n) != stream[n]], [len(w) for w in every]))
+    return out
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.slow  # ~20 s on 2 idle cores (4 layouts, 2 ranks, no server)
+def test_assembled_shards_are_the_gather_paths_tensors_bit_for_bit(tiny_ckpt):
+    layouts = [(1, 2, 1, 1), (2, 1, 2, 1), (1, 1, 1, 2), (2, 2, 1, 1)]
+    for layout, same_names, differ, shards_per_rank in run_ranks(_assembled, 2, str(tiny_ckpt), layouts,
+                                                                   timeout=300)[0]:
+        assert same_names and differ == [], (layout, differ[:5])
+        assert all(shards_per_rank), layout  # both ranks send at every layout
+
+
 def test_mapping_spec_round_trip_merges_like_the_table():
     from model_bridge.mappings import QKV, ColumnParallel, ExpertStacked, GatedMLP, VocabParallel
 
@@ -208,3 +256,54 @@ def test_resolve_mode(capsys):
     assert capsys.readouterr().out.count("falls back to gather on the nccl data plane") == 1
     with pytest.raises(ValueError, match="weight_sync.mode must be auto, gather or multisource"):
         resolve_mode("fast", "gloo", 2)
+
+
+def _on_device(device: str, tiny: bool, layers: int):
+    """Rank body: the multi-source path on one device (owned shards -> buckets -> pack -> unpack ->
+    merge, all on `device`) against `export_hf` of the same model, bit for bit; the release's widths
+    unless `tiny`, random bf16 weights."""
+    from launch.bench._sync_common import sync_config
+    from megatron_grpo.weight_sync.buckets import default_bucket_bytes, pack_bucket, unpack_bucket
+    from megatron_grpo.weight_sync.multisource import plan_buckets
+    from megatron_grpo.weight_sync.shards import owned_shards
+    from model_bridge.config import ParallelLayout, parse_omni_config
+    from model_bridge.export import export_hf
+    from model_bridge.modeling import build_thinker
+    from model_bridge.parallel import init_parallel
+
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    init_parallel(seed=0)
+    spec = parse_omni_config(sync_config(layers, 0, tiny, None), where="test_multisource")
+    with torch.device("meta"):
+        model = build_thinker(spec, ParallelLayout(), torch.bfloat16, backend="torch", dummy_audio=False,
+                              perform_initialization=False, build_audio=False)
+    model.to_empty(device=device)
+    g = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02, generator=g) if p.is_floating_point() else p.zero_()
+    ref = dict(export_hf(model, spec))
+    got, buckets, asm = {}, 0, ShardAssembler()
+    for bucket in plan_buckets(owned_shards(model, spec), default_bucket_bytes(device)):
+        buf = pack_bucket([e.tensor for e in bucket])
+        assert buf.device.type == device
+        views = unpack_bucket(buf, [e.wire_name for e in bucket], [e.tensor.dtype for e in bucket],
+                              [list(e.tensor.shape) for e in bucket])
+        for e, (_, t) in zip(bucket, views):
+            for n, x in asm.add(e.meta(), t):
+                r = ref[n]
+                got[n] = (x.device.type == device and x.dtype == r.dtype and x.shape == r.shape
+                          and torch.equal(x.contiguous().view(torch.uint8), r.contiguous().view(torch.uint8)))
+        buckets += 1
+    return {"names_equal": sorted(got) == sorted(ref), "differ": [n for n, ok in got.items() if not ok],
+            "tensors": len(got), "buckets": buckets, "missing": asm.missing()}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_multisource_packing_is_the_gather_paths_tensors_full_width():
+    """Two full-width layers (the release's hidden size, 128 experts, vocab) on one GPU, 512 MiB buckets."""
+    res = run_ranks(_on_device, 1, "cuda", False, 2, timeout=600)[0]
+    assert res["names_equal"] and res["differ"] == [] and res["missing"] == [], res
+    assert res["tensors"] > 2 * 3 * 128 and res["buckets"] >= 2, res
