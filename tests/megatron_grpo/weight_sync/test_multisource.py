@@ -7,7 +7,9 @@ prompt logprobs agree (fp32, <= 1e-5) and differ from the checkpoint's. Each ran
 its own shards by Megatron's own parameter attributes (expert / tensor-parallel), and the server's
 assembler refuses a shard claimed twice or missing, so a landed push proves exactly-once coverage.
 A sender killed mid-push leaves the server resumed on its previous version with an error naming
-the rank and the stage; the next push (fresh ranks) lands.
+the rank and the stage; the next push (fresh ranks) lands. Without a server: the shards of 2 gloo
+ranks, packed and merged as on the wire, equal `export_to_rank0`'s tensors bit for bit at the same
+four layouts; on a GPU (marked gpu) the same path on the device at full width (2 layers).
 """
 from __future__ import annotations
 
