@@ -160,7 +160,7 @@ def push_multisource(model, version: int | str, servers: list[WeightReceiver] | 
         if not servers:
             raise ValueError("push_multisource needs at least one WeightReceiver on rank 0")
         return _drive(servers, version, mine, metas, senders, pause_mode, st)
-    _follow(me, mine, senders, timeout_s, st)
+    _follow(me, mine, senders, version, timeout_s, st)
     return None
 
 
@@ -282,7 +282,7 @@ def _outcome(result: dict) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ others
-def _follow(me, mine, senders, timeout_s, st) -> None:
+def _follow(me, mine, senders, version, timeout_s, st) -> None:
     ctl = _bcast()
     _drop_groups([i for i in _GROUPS if i in ctl["need"] or i >= ctl["n"]])
     for i in ctl["need"]:
@@ -322,6 +322,6 @@ def _follow(me, mine, senders, timeout_s, st) -> None:
     result = _bcast()
     if not result.get("ok"):
         _drop_groups()
-        raise WeightPushError(f"(from trainer rank 0) {result['error']}", server=None, version="",
+        raise WeightPushError(f"(from trainer rank 0) {result['error']}", server=None, version=version,
                               stage=result.get("stage", "?"), states=result.get("states", {}),
                               rank=result.get("rank"))
