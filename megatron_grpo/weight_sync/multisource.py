@@ -157,8 +157,6 @@ def push_multisource(model, version: int | str, servers: list[WeightReceiver] | 
         stats.update(st)
         st = stats
     if rank == 0:
-        if not servers:
-            raise ValueError("push_multisource needs at least one WeightReceiver on rank 0")
         return _drive(servers, version, mine, metas, senders, pause_mode, st)
     _follow(me, mine, senders, version, timeout_s, st)
     return None
@@ -166,14 +164,18 @@ def push_multisource(model, version: int | str, servers: list[WeightReceiver] | 
 
 # ------------------------------------------------------------------------------------------------ rank 0
 def _drive(servers, version, mine, metas, senders, pause_mode, st) -> PushStats:
+    bad = None
+    if not servers:
+        bad = "push_multisource needs at least one WeightReceiver on rank 0"
+    elif any(s.backend != "gloo" for s in servers):
+        bad = (f"weight_sync.mode=multisource needs gloo receivers (CPU servers; vLLM's nccl_m2n is not wired "
+               f"yet): {[s.url for s in servers if s.backend != 'gloo']}")
+    if bad is not None:  # the other ranks wait in the broadcasts below: release them, then raise everywhere
+        _bcast({"n": 0, "need": []})
+        _bcast({"error": bad})
+        _bcast({"ok": False, "error": bad, "stage": "connect"})
+        raise ValueError(bad)
     need = [i for i, s in enumerate(servers) if not s.connected or s.transport.sender_ranks != senders]
-    if any(s.backend != "gloo" for s in servers):
-        bad = [s.url for s in servers if s.backend != "gloo"]
-        _bcast({"n": len(servers), "need": []})
-        _bcast({"error": "not gloo"})
-        _bcast({"ok": False, "error": "not gloo"})
-        raise ValueError(f"weight_sync.mode=multisource needs gloo receivers on CPU (the nccl_m2n path is "
-                         f"not wired): {bad}")
     _bcast({"n": len(servers), "need": need})
     rounds = max(len(m) for m in metas)
     stats = PushStats(version=version, servers=len(servers))

@@ -173,7 +173,14 @@ def _assembled(hf_dir, layouts):
             assert asm.missing() == [], (layout, asm.missing())
             out.append((layout, sorted(merged) == sorted(stream),
                         [n for n in stream if merged.get(n) != stream[n]], [len(w) for w in every]))
-    return out
+    # no receiver on rank 0: every rank raises (none is left waiting in a collective)
+    from megatron_grpo.weight_sync.multisource import push_multisource
+
+    try:
+        push_multisource(model, 1, [] if dist.get_rank() == 0 else None)
+    except Exception as e:  # noqa: BLE001 - returned for the test to check
+        return out, f"{type(e).__name__}: {e}"
+    return out, None
 
 
 def _bytes(t: torch.Tensor) -> bytes:
@@ -183,10 +190,12 @@ def _bytes(t: torch.Tensor) -> bytes:
 @pytest.mark.slow  # ~20 s on 2 idle cores (4 layouts, 2 ranks, no server)
 def test_assembled_shards_are_the_gather_paths_tensors_bit_for_bit(tiny_ckpt):
     layouts = [(1, 2, 1, 1), (2, 1, 2, 1), (1, 1, 1, 2), (2, 2, 1, 1)]
-    for layout, same_names, differ, shards_per_rank in run_ranks(_assembled, 2, str(tiny_ckpt), layouts,
-                                                                   timeout=300)[0]:
+    (checked, err0), (_, err1) = run_ranks(_assembled, 2, str(tiny_ckpt), layouts, timeout=300)
+    for layout, same_names, differ, shards_per_rank in checked:
         assert same_names and differ == [], (layout, differ[:5])
         assert all(shards_per_rank), layout  # both ranks send at every layout
+    assert err0 == "ValueError: push_multisource needs at least one WeightReceiver on rank 0"
+    assert err1.startswith("WeightPushError: (from trainer rank 0) push_multisource needs at least one")
 
 
 def test_mapping_spec_round_trip_merges_like_the_table():
