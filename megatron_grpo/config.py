@@ -106,6 +106,20 @@ class ServeConfig:
 
 
 @dataclass
+class WeightSyncSection:
+    """How the new weights reach the vLLM servers after every step (megatron_grpo/weight_sync/)."""
+
+    mode: Literal["auto", "gather", "multisource"] = "auto"
+    """gather: the shards are streamed to trainer rank 0, which sends every byte
+    (weight_sync/gather.py, push.py). multisource: every trainer rank that owns a unique shard (a
+    TP/ETP slice, an EP rank's experts, a pipeline stage's layers) sends it itself and the server
+    merges the shards (weight_sync/multisource.py), so the push is not bound by rank 0's one link;
+    CPU servers (gloo) only: on GPU vLLM's nccl_m2n engine is not wired yet and the push falls back
+    to gather, saying why once. auto: multisource for a multi-rank job on gloo servers, else
+    gather. Both are all or nothing (docs/rollout.md)."""
+
+
+@dataclass
 class PackingSection:
     """How a step's samples become THD micro-batches (megatron_grpo/packing.py)."""
 
@@ -371,6 +385,7 @@ class TrainConfig:
         num_generations=8, max_turns=2, max_new_tokens=24, temperature=1.0,
         reward_funcs=["answer_chars", "format"]))
     serve: ServeConfig = field(default_factory=ServeConfig)
+    weight_sync: WeightSyncSection = field(default_factory=WeightSyncSection)
     loss: LossConfig = field(default_factory=LossConfig)
     importance: ISConfig = field(default_factory=ISConfig)
     # 2e-4, not more: at 5e-4 the tiny model's entropy collapses within 2-3 updates, before the reward

@@ -130,6 +130,14 @@ def run_bench(out_dir, layers: int = 48, audio_layers: int = 32, bucket_mb: int 
 
 
 def _cmd(args: argparse.Namespace) -> int:
+    if args.senders is not None:  # the multi-source data plane and the push-time model (sync_scale.py)
+        from launch.bench.sync_scale import bench_senders
+
+        if args.senders < 1:
+            raise SystemExit(f"--senders must be >= 1, got {args.senders}")
+        bench_senders(args.out, args.senders, args.payload_mb, args.bucket_mb or 16, args.iters, args.warmup,
+                      args.timeout)
+        return 0
     res = run_bench(args.out, layers=args.layers, audio_layers=args.audio_layers, bucket_mb=args.bucket_mb,
                     dtype=args.dtype, iters=args.iters, warmup=args.warmup, device=args.device,
                     transport=args.transport, buffers=args.buffers, tiny=args.tiny, experts=args.experts,
@@ -162,6 +170,11 @@ def add_parser(bsub) -> argparse.ArgumentParser:
                    help="layer-spec backend of the model (default torch: grouped experts)")
     s.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     s.add_argument("--timeout", type=float, default=1800, help="seconds before the processes are killed")
+    s.add_argument("--senders", type=int, default=None,
+                   help="instead: N gloo sender processes into one receiver as a multi-source push runs them "
+                        "(against 1 sender), plus the 30B recipe's push-time model at 1-8 trainer nodes "
+                        "(launch/bench/sync_scale.py; writes bench_sync_senders.json)")
+    s.add_argument("--payload-mb", type=float, default=256, help="with --senders: MiB pushed per run (default 256)")
     s.set_defaults(func=_cmd)
     return s
 

@@ -43,7 +43,14 @@ from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 from vllm.logger import init_logger
 
-from megatron_grpo.weight_sync.gloo import DEFAULT_TIMEOUT_S, join_gloo_group, recv_bucket
+from megatron_grpo.weight_sync.gloo import (
+    DEFAULT_TIMEOUT_S,
+    TransportError,
+    abort_reason,
+    join_gloo_group,
+    recv_bucket,
+    recv_sources,
+)
 
 log = init_logger(__name__)
 
@@ -111,6 +118,8 @@ class GlooInitInfo(WeightTransferInitInfo):
     rank_offset: int
     world_size: int
     timeout_s: float = DEFAULT_TIMEOUT_S
+    sender_ranks: list[int] | None = None
+    """Multi-source push: the trainer rank of each sending group rank 0..len-1 (names them in errors)."""
 
 
 @dataclass
@@ -120,12 +129,20 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
+    sources: list[int] | None = None
+    """Multi-source push: the sending group rank of each tensor (each source's tensors are one packed
+    bucket, in this order); None: one bucket broadcast by rank 0."""
+    shards: list[dict] | None = None
+    """Multi-source push: per tensor, the shard it is (`weight_sync.shards.ShardEntry.meta`)."""
 
     def __post_init__(self):
         n = len(self.names)
         if len(self.dtype_names) != n or len(self.shapes) != n:
             raise ValueError(f"update_info lists differ in length: {n} names, {len(self.dtype_names)} "
                              f"dtype_names, {len(self.shapes)} shapes")
+        if (self.sources is None) != (self.shards is None) or (
+                self.sources is not None and (len(self.sources) != n or len(self.shards) != n)):
+            raise ValueError("update_info: a multi-source bucket needs one source and one shard entry per name")
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
@@ -143,7 +160,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def __init__(self, config, vllm_config, device, model):
         super().__init__(config, vllm_config, device, model)
         self.pg = None
+        self._store = None
+        self._sender_ranks: list[int] = [0]
         self._staged: list[list[tuple[str, torch.Tensor]]] | None = None
+        self._assembler = None
         # layers holding a newer version after a failed load, until the next good one
         self._partial_layers = 0
 
@@ -152,13 +172,16 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self.shutdown()  # a trainer reconnecting after a failure replaces the old group
         pc = self.parallel_config
         rank = pc.data_parallel_index * pc.world_size + pc.rank + init_info.rank_offset
-        self.pg = join_gloo_group(init_info.master_address, init_info.master_port, rank,
-                                  init_info.world_size, init_info.timeout_s)
+        self.pg, self._store = join_gloo_group(init_info.master_address, init_info.master_port, rank,
+                                               init_info.world_size, init_info.timeout_s, with_store=True)
+        self._sender_ranks = list(init_info.sender_ranks or range(init_info.rank_offset))
         log.info("gloo weight transfer: joined %s:%s as rank %d of %d", init_info.master_address,
                  init_info.master_port, rank, init_info.world_size)
 
     def shutdown(self) -> None:
         self._staged = None
+        self._assembler = None
+        self._store = None
         pg, self.pg = self.pg, None
         if pg is not None:
             try:
@@ -168,7 +191,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     # -- one update
     def start_weight_update(self) -> None:
+        from megatron_grpo.weight_sync.shards import ShardAssembler
+
         self._staged = []
+        self._assembler = ShardAssembler()
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class also calls torch.accelerator.synchronize(): nothing to wait for on CPU.
@@ -181,11 +207,38 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         if self._staged is None:
             raise RuntimeError("update_weights outside start_weight_update/finish_weight_update")
         try:
-            bucket = recv_bucket(self.pg, update_info.names, update_info.dtype_names, update_info.shapes)
+            if update_info.sources is None:
+                bucket = recv_bucket(self.pg, update_info.names, update_info.dtype_names, update_info.shapes)
+            else:
+                bucket = self._receive_shards(update_info)
         except BaseException:
             self._staged = None  # the update is dead; the model was not touched
             raise
         self._staged.append(bucket)
+
+    def _receive_shards(self, info: GlooUpdateInfo) -> list[tuple[str, torch.Tensor]]:
+        """One round of a multi-source push: a packed bucket from each source, its shards merged
+        into HF tensors as soon as a parameter is complete (`weight_sync.shards.ShardAssembler`)."""
+        order: dict[int, list[int]] = {}
+        for i, src in enumerate(info.sources):
+            order.setdefault(int(src), []).append(i)
+        runs = [(src, [info.names[i] for i in idx], [info.dtype_names[i] for i in idx],
+                 [info.shapes[i] for i in idx]) for src, idx in order.items()]
+
+        def label(src: int) -> str:
+            rank = self._sender_ranks[src] if src < len(self._sender_ranks) else "?"
+            return f"trainer rank {rank} (sender {src})"
+
+        def poll():
+            reason = abort_reason(self._store)
+            if reason is not None:
+                raise TransportError(f"multi-source push aborted: {reason}")
+
+        out = []
+        for src, pairs in recv_sources(self.pg, runs, label, poll):
+            for i, (_, t) in zip(order[src], pairs):
+                out.extend(self._assembler.add(info.shards[i], t))
+        return out
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import (
@@ -196,6 +249,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         staged, self._staged = self._staged, None
         if staged is None:
             raise RuntimeError("finish_weight_update without a started update")
+        missing = self._assembler.missing() if self._assembler is not None else []
+        self._assembler = None
+        if missing:
+            raise RuntimeError(f"multi-source push incomplete: {len(missing)} parameter(s) lack shards "
+                               f"({'; '.join(missing[:5])}); nothing was loaded")
         if not staged:
             return  # nothing pushed: nothing to do
         initialize_layerwise_reload(self.model)
@@ -216,6 +274,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
     def abort(self) -> dict[str, Any]:
         """Drop a staged update (the model was not touched) and undo any half-done reload."""
         self._staged = None
+        self._assembler = None
         state = abort_layerwise_reload(self.model)
         self._partial_layers += state["processed"]
         return {**state, "processed": self._partial_layers}

@@ -49,7 +49,7 @@ def open_source(cfg: TrainConfig, backend, data, rank: int):
         from megatron_grpo.run.replay import Recorder
         recorder = Recorder(cfg)
     return TrajectorySource(backend, data, cfg.rollout.overlap, rank, variant=cfg.loss.variant, recorder=recorder,
-                            run_dir=cfg.trainer.run_dir)
+                            run_dir=cfg.trainer.run_dir, sync_mode=cfg.weight_sync.mode)
 
 
 def with_advantages(trajs, variant: str):
@@ -133,8 +133,9 @@ class TrajectorySource:
     """
 
     def __init__(self, backend, data, overlap: bool, rank: int, variant: str = "grpo", recorder=None,
-                 run_dir: str | Path = "."):
+                 run_dir: str | Path = ".", sync_mode: str = "auto"):
         self.backend, self.data, self.overlap, self.rank = backend, data, overlap, rank
+        self.sync_mode = sync_mode
         self.run_dir = run_dir
         self.variant, self.recorder = variant, recorder
         self.pool = None
@@ -198,9 +199,14 @@ class TrajectorySource:
             self.future.result()
 
     def push(self, model, version: int) -> None:
-        """Gather the weights to rank 0 (a collective: every rank calls it) and push them to vLLM."""
+        """Push the weights to vLLM (a collective: every rank calls it): from every shard owner
+        (weight_sync.mode multisource) or gathered to rank 0 (gather)."""
         from megatron_grpo.weight_sync.gather import export_to_rank0
+        from megatron_grpo.weight_sync.multisource import push_multisource, resolve_mode
 
+        if resolve_mode(self.sync_mode) == "multisource":
+            push_multisource(model, version, self.backend.receivers if self.rank == 0 else None)
+            return
         weights = export_to_rank0(model)
         self.backend.push(weights, version) if self.rank == 0 else sum(1 for _ in weights)
 

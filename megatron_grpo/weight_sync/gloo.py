@@ -37,9 +37,14 @@ from megatron_grpo.weight_sync.buckets import (
     unpack_bucket,
 )
 
-__all__ = ["GlooTransport", "join_gloo_group", "recv_bucket", "TransportError"]
+__all__ = ["GlooTransport", "join_gloo_group", "recv_bucket", "recv_sources", "send_to", "TransportError",
+           "ABORT_KEY"]
 
 DEFAULT_TIMEOUT_S = 600.0
+ABORT_KEY = "mgrpo/abort"
+"""Multi-source pushes: the group's store key any member sets (to the reason) to make every other
+member's pending transfer fail now instead of at the group timeout."""
+P2P_TAG = 7
 
 
 class TransportError(RuntimeError):
@@ -104,13 +109,113 @@ def _reap(pg, work, buf) -> None:
 
 
 def join_gloo_group(master_address: str, master_port: int, rank: int, world_size: int,
-                    timeout_s: float = DEFAULT_TIMEOUT_S):
-    """Worker side: join the trainer's group as `rank` (>= 1); returns the gloo process group."""
+                    timeout_s: float = DEFAULT_TIMEOUT_S, with_store: bool = False):
+    """Join the group rank 0 (the trainer) formed, as `rank` (>= 1): a vLLM worker, or another
+    trainer rank of a multi-source push. Returns the gloo process group (and its store with
+    `with_store`, for `ABORT_KEY`)."""
     if rank < 1 or rank >= world_size:
-        raise ValueError(f"worker rank {rank} outside 1..{world_size - 1}")
+        raise ValueError(f"rank {rank} outside 1..{world_size - 1}")
     timeout = timedelta(seconds=timeout_s)
     store = TCPStore(master_address, int(master_port), world_size, is_master=False, timeout=timeout)
-    return _gloo_group(store, rank, world_size, master_address, timeout)
+    pg = _gloo_group(store, rank, world_size, master_address, timeout)
+    return (pg, store) if with_store else pg
+
+
+def abort_reason(store) -> str | None:
+    """The reason a member of a multi-source push gave for aborting it, or None."""
+    try:
+        if store is not None and store.check([ABORT_KEY]):
+            return store.get(ABORT_KEY).decode(errors="replace")
+    except Exception:  # noqa: BLE001 - a store that is gone means the push is over as well
+        return "the push's rendezvous store is gone (trainer rank 0 ended the push)"
+    return None
+
+
+def set_abort(store, reason: str) -> None:
+    """Tell every member of a multi-source push that it failed (best effort)."""
+    try:
+        if store is not None:
+            store.set(ABORT_KEY, reason)
+    except Exception:  # noqa: BLE001 - the others then fail on their own timeout or peer loss
+        pass
+
+
+def _wait_all(works: list, poll: Callable[[], None] | None, what: Callable[[int], str], keep: list) -> None:
+    """Wait for gloo p2p works, calling `poll()` (which raises to abandon them) meanwhile; a failed
+    work raises TransportError(what(i)).
+
+    A gloo send/recv work only completes inside `wait()` (its `is_completed()` stays False until
+    then), so a daemon thread waits; an abandoned wait keeps `keep` (the buffers) alive until the
+    transfer ends with the group or its peer."""
+    errors: dict[int, BaseException] = {}
+
+    def _waiter(objs):
+        for i, w in enumerate(objs[0]):
+            try:
+                w.wait()
+            except BaseException as e:  # noqa: BLE001 - reported by the caller
+                errors[i] = e
+        objs.clear()
+
+    th = threading.Thread(target=_waiter, args=([works, keep],), daemon=True, name="mgrpo-gloo-p2p")
+    th.start()
+    while th.is_alive():
+        if poll is not None:
+            poll()
+        th.join(0.02)
+    for i in sorted(errors):
+        raise TransportError(f"{what(i)}: {errors[i]}") from errors[i]
+
+
+def _abandon(works: list, keep: list) -> None:
+    """Leave posted works to a daemon thread that holds their buffers until they end (with the
+    group or the peer): freeing a buffer gloo still writes into would corrupt memory."""
+    def _wait(objs):
+        for w in objs[0]:
+            try:
+                w.wait()
+            except Exception:  # noqa: BLE001 - the failure is already reported
+                pass
+        objs.clear()
+
+    if works:
+        threading.Thread(target=_wait, args=([works, keep],), daemon=True, name="mgrpo-gloo-p2p-reaper").start()
+
+
+def send_to(pg, buf: torch.Tensor, dsts: list[int], poll: Callable[[], None] | None = None) -> None:
+    """Multi-source push, sender side: send one packed bucket to each of the group ranks `dsts`."""
+    works = []
+    for d in dsts:
+        try:
+            works.append(pg.send([buf], int(d), P2P_TAG))
+        except RuntimeError as e:
+            _abandon(works, [buf])
+            raise TransportError(f"gloo send of {buf.numel() / 1e6:.1f} MB to group rank {d} failed: {e}") from e
+    _wait_all(works, poll, lambda i: f"gloo send of {buf.numel() / 1e6:.1f} MB to group rank {dsts[i]} failed",
+              [buf])
+
+
+def recv_sources(pg, runs: list[tuple[int, list[str], list[str], list[list[int]]]],
+                 label: Callable[[int], str], poll: Callable[[], None] | None = None
+                 ) -> list[tuple[int, list[tuple[str, torch.Tensor]]]]:
+    """Multi-source push, worker side: one packed bucket from each source of `runs` ((group rank,
+    names, dtype names, shapes) each), received concurrently; returns (source, (name, view) pairs).
+    `label(src)` names a source in errors (e.g. its trainer rank)."""
+    bufs, works, layouts = [], [], []
+    for src, names, dtype_names, shapes in runs:
+        dtypes = [dtype_from_name(d) for d in dtype_names]
+        _, _, total = packed_layout(dtypes, shapes)
+        buf = torch.empty(total, dtype=torch.uint8)
+        bufs.append(buf)
+        layouts.append((names, dtypes, shapes))
+        try:  # a source that is already gone fails here, not in the wait
+            works.append(pg.recv([buf], int(src), P2P_TAG))
+        except RuntimeError as e:
+            _abandon(works, bufs)
+            raise TransportError(f"gloo receive of {total / 1e6:.1f} MB from {label(src)} failed: {e}") from e
+    _wait_all(works, poll, lambda i: f"gloo receive of {bufs[i].numel() / 1e6:.1f} MB from "
+                                     f"{label(runs[i][0])} failed", bufs)
+    return [(src, unpack_bucket(buf, *lay)) for (src, *_), buf, lay in zip(runs, bufs, layouts)]
 
 
 def recv_bucket(pg, names: list[str], dtype_names: list[str], shapes: list[list[int]]
@@ -146,6 +251,14 @@ class GlooTransport:
         self._store = None
         self.pg = None
         self._pending = None
+        self.sender_ranks: list[int] = [0]
+        """Trainer ranks that send (group ranks 0..S-1, in this order): [0] unless a multi-source
+        push sets them before `prepare`; the server's workers take the group ranks after them."""
+
+    @property
+    def store(self):
+        """The group's rendezvous store (rank 0 holds it), for `ABORT_KEY`."""
+        return self._store
 
     @property
     def connected(self) -> bool:
@@ -162,7 +275,8 @@ class GlooTransport:
         self._sock = sock
         self.world_size = world_size
         return {"master_address": self.master_address, "master_port": sock.getsockname()[1],
-                "rank_offset": 1, "world_size": world_size, "timeout_s": self.timeout_s}
+                "rank_offset": len(self.sender_ranks), "world_size": world_size, "timeout_s": self.timeout_s,
+                "sender_ranks": list(self.sender_ranks)}
 
     def connect(self) -> None:
         """Open the store on the bound socket and form the group as rank 0 (blocks until all join)."""
@@ -209,6 +323,17 @@ class GlooTransport:
         except RuntimeError as e:
             self.close()
             raise TransportError(f"gloo broadcast of {buf.numel() / 1e6:.1f} MB failed: {e}") from e
+
+    def send_p2p(self, buf: torch.Tensor, poll: Callable[[], None] | None = None) -> None:
+        """Multi-source push: send a packed bucket to every worker of the server (group ranks after
+        the senders); on failure the transport is closed, as with `send`."""
+        if self.pg is None or self.world_size is None:
+            raise RuntimeError("GlooTransport.send_p2p() before connect()")
+        try:
+            send_to(self.pg, buf, list(range(len(self.sender_ranks), self.world_size)), poll)
+        except BaseException:
+            self.close()
+            raise
 
     def close(self) -> None:
         if self._sock is not None:

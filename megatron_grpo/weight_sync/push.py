@@ -35,7 +35,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 from urllib.parse import urlparse
 
 import requests
@@ -60,12 +60,14 @@ class ServerRequestError(RuntimeError):
 
 class WeightPushError(RuntimeError):
     """A weight push failed. Attributes: `server` (URL), `version`, `stage`, `states`
-    ({url: 'previous version, resumed' | 'new version, resumed' | 'PAUSED, ...' | ...})."""
+    ({url: 'previous version, resumed' | 'new version, resumed' | 'PAUSED, ...' | ...}), `rank`
+    (the trainer rank that failed in a multi-source push, when known; else None)."""
 
     def __init__(self, message: str, *, server: str | None, version: str, stage: str,
-                 states: dict[str, str]):
+                 states: dict[str, str], rank: int | None = None):
         super().__init__(message)
         self.server, self.version, self.stage, self.states = server, version, stage, states
+        self.rank = rank
 
 
 def _is_loopback(host: str) -> bool:
@@ -207,11 +209,25 @@ class WeightReceiver:
             except Exception:  # noqa: BLE001 - only draining; the error was already reported
                 pass
 
-    def connect(self) -> None:
-        """Rendezvous with the server's workers (`/init_weight_transfer_engine`), once."""
+    def use_senders(self, ranks: list[int]) -> None:
+        """The trainer ranks that send over this receiver's data plane (group ranks 0..S-1): [0] for
+        `push`, every shard owner for a multi-source push; a change drops the group (the next
+        `connect` forms it again with the new senders)."""
+        if list(getattr(self.transport, "sender_ranks", [0])) == list(ranks):
+            return
+        self.drop_transport()
+        self.transport.sender_ranks = list(ranks)
+
+    def connect(self, on_prepared: Callable[[dict], None] | None = None) -> None:
+        """Rendezvous with the server's workers (`/init_weight_transfer_engine`), once.
+        `on_prepared(init_info)` runs before anyone joins (a multi-source push hands the rendezvous
+        to its other senders there)."""
         if self.transport.connected:
             return
-        init_info = self.transport.prepare(1 + self.world_size())
+        senders = len(getattr(self.transport, "sender_ranks", [0]))
+        init_info = self.transport.prepare(senders + self.world_size())
+        if on_prepared is not None:
+            on_prepared(init_info)
         fut = self._rpc_async("init_weight_transfer_engine", {"init_info": init_info})
         box: dict[str, BaseException] = {}
 
@@ -249,6 +265,26 @@ class WeightReceiver:
 
         self.transport.send(payload, poll)
         del payload
+        fut.result()
+        self._inflight = None
+
+    def send_round(self, update_info: dict, buf: torch.Tensor | None) -> None:
+        """Multi-source push (`multisource`): one round's `/update_weights` (every sender's bucket),
+        with this process's own packed bucket `buf` (None: none this round) sent meanwhile; fails
+        as soon as the server answers an error or a member of the push sets the abort key."""
+        from megatron_grpo.weight_sync.gloo import TransportError, abort_reason
+
+        fut = self._rpc_async("update_weights", {"update_info": update_info})
+
+        def poll():
+            if fut.done() and fut.exception() is not None:
+                raise fut.exception()
+            reason = abort_reason(self.transport.store)
+            if reason is not None:
+                raise TransportError(reason)
+
+        if buf is not None:
+            self.transport.send_p2p(buf, poll)
         fut.result()
         self._inflight = None
 
@@ -338,6 +374,7 @@ def push(weights: Iterable[tuple[str, torch.Tensor]], version: int | str,
     try:
         for s in servers:
             current = s
+            s.use_senders([0])
             s.connect()
         next_stage("pause")
         for s in servers:
