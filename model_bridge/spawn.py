@@ -24,6 +24,7 @@ Children are always reaped.
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -37,7 +38,7 @@ from typing import Any, Callable
 
 from model_bridge.lifeline import PARENT_ENV, die_with_parent
 
-__all__ = ["run_ranks", "RankError", "free_port"]
+__all__ = ["run_ranks", "RankError", "free_port", "environ_set"]
 
 _GRACE_S = 1.0  # after a first failure, how long to wait for the other ranks' own reports
 
@@ -116,20 +117,28 @@ def _env_for(rank: int, world_size: int, port: int) -> dict[str, str]:
 
 def _start(ctx, target, args, env: dict[str, str]):
     """Start a spawn process whose environment is the parent's plus ``env``."""
-    env = {**env, PARENT_ENV: str(os.getpid())}  # die_with_parent in `_detach` reads it
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    # die_with_parent in `_detach` reads PARENT_ENV
+    with environ_set({**env, PARENT_ENV: str(os.getpid())}):
         # Not a daemon: a rank may start processes of its own (dist_checkpointing does).
         proc = ctx.Process(target=target, args=args, daemon=False)
         proc.start()
+    return proc
+
+
+@contextlib.contextmanager
+def environ_set(env: dict[str, str]):
+    """``os.environ`` with ``env`` set inside the block and restored after it (what a child process
+    started inside inherits)."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    return proc
 
 
 def _signal(proc, sig) -> None:

@@ -12,14 +12,16 @@ per generated token of every request, their medians and the overhead per generat
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import asyncio
+import contextlib
 import json
+import os
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from model_bridge.spawn import environ_set
 
 
 async def _one(client, url: str, routes: bool, i: int, prompt: int, tokens: int) -> float:
@@ -37,21 +39,8 @@ async def _one(client, url: str, routes: bool, i: int, prompt: int, tokens: int)
     return secs
 
 
-@contextlib.contextmanager
-def _env(extra: dict):
-    saved = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def run_bench(model: str, out_dir, requests: int = 8, prompt: int = 256, tokens: int = 64, dtype: str = "auto") -> dict:
+def run_bench(model: str, out_dir, requests: int = 8, prompt: int = 256, tokens: int = 64, dtype: str = "auto",
+              swap_cores: bool = False) -> dict:
     """Both servers up at once, requests alternating between them (the same machine load for
     both); the medians of seconds per generated token."""
     import statistics
@@ -68,9 +57,9 @@ def run_bench(model: str, out_dir, requests: int = 8, prompt: int = 256, tokens:
             log = Path(tempfile.gettempdir()) / f"mgrpo-bench-routes-{spec.port}.log"
             # vLLM's CPU worker binds its threads to core 0 by default: both servers would share it
             # and time each other's requests; on a CPU machine each gets a core of its own
-            bind = {"VLLM_CPU_OMP_THREADS_BIND": str(cores[i % len(cores)])} \
+            bind = {"VLLM_CPU_OMP_THREADS_BIND": str(cores[(i + swap_cores) % len(cores)])} \
                 if cores and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ else {}
-            with _env(bind):
+            with environ_set(bind):
                 urls[routes] = stack.enter_context(VLLMServer(spec, log).start(timeout=1800)).url
 
         async def go():
@@ -85,7 +74,7 @@ def run_bench(model: str, out_dir, requests: int = 8, prompt: int = 256, tokens:
             return times
         times = asyncio.run(go())
     base, r3 = statistics.median(times[False]), statistics.median(times[True])
-    res = {"model": model, "dtype": dtype, "requests": requests, "prompt_tokens": prompt,
+    res = {"model": model, "dtype": dtype, "requests": requests, "prompt_tokens": prompt, "swap_cores": swap_cores,
            "generated_per_request": tokens, "s_per_generated_token": {"without": times[False], "with_routes": times[True]},
            "median_s_per_generated_token": {"without": base, "with_routes": r3},
            "overhead_ms_per_generated_token": 1e3 * (r3 - base), "overhead_fraction": r3 / base - 1.0,
@@ -97,7 +86,7 @@ def run_bench(model: str, out_dir, requests: int = 8, prompt: int = 256, tokens:
 
 
 def _cmd(args) -> int:
-    res = run_bench(args.model, args.out, args.requests, args.prompt, args.tokens, args.dtype)
+    res = run_bench(args.model, args.out, args.requests, args.prompt, args.tokens, args.dtype, args.swap_cores)
     print(json.dumps({k: v for k, v in res.items() if k != "s_per_generated_token"}, indent=1))
     return 0
 
@@ -110,6 +99,9 @@ def add_parser(bsub) -> argparse.ArgumentParser:
     s.add_argument("--prompt", type=int, default=256, help="prompt tokens per request")
     s.add_argument("--tokens", type=int, default=64, help="generated tokens per request")
     s.add_argument("--dtype", default="auto", help="vLLM --dtype")
+    s.add_argument("--swap-cores", action="store_true",
+                   help="the R3 server on the first core, the other on the second (run once each way: the "
+                        "mean of the two overheads cancels the cores' difference)")
     s.add_argument("--out", default="bench_results/routes", help="results directory (JSON)")
     s.set_defaults(func=_cmd)
     return s
