@@ -14,17 +14,27 @@ place a free TCP port is picked.
 
     values = run_ranks(step, 2, 0.5)      # [value of rank 0, value of rank 1]
 
-Each rank is a fresh ``spawn`` process with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+Each rank is a new process with ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``, a free ``MASTER_PORT``, ``OMP_NUM_THREADS=1`` (unless
 ``env=`` sets it) and any ``env=`` extras set. The first rank to raise makes ``run_ranks`` kill the others and re-raise
 that exception in the parent (same type when it pickles, with the rank's traceback text chained
-as the cause). A run still going after ``timeout`` seconds gets the Python stacks of the
+as the cause).
+
+Ranks are forked from a fork server that imported torch, megatron-core and transformers once (see
+:data:`PRELOAD`), so a rank starts in a fraction of a second instead of the ~7 s those imports take
+(each multi-rank test and ``mgrpo convert`` pays it per rank). The rank gets the launcher's current
+environment, working directory, ``sys.path``, stdout and stderr, as a ``spawn`` process would. A
+fresh ``spawn`` interpreter is used instead on a machine with a CUDA device (CUDA cannot run in a
+process forked from one that may have touched it), when a variable that the preloaded modules read
+at import (``TRITON_INTERPRET``, ``TORCH_*``, ...) differs from the fork server's, or when
+``MGRPO_START_METHOD=spawn``. A run still going after ``timeout`` seconds gets the Python stacks of the
 unfinished ranks dumped to stderr, is killed, and raises ``TimeoutError`` naming those ranks.
 Children are always reaped.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 import multiprocessing as mp
 import os
 import pickle
@@ -33,14 +43,29 @@ import socket
 import sys
 import time
 import traceback
+from multiprocessing import reduction
 from multiprocessing.connection import wait
 from typing import Any, Callable
 
 from model_bridge.lifeline import PARENT_ENV, die_with_parent
 
-__all__ = ["run_ranks", "RankError", "free_port", "environ_set"]
+__all__ = ["run_ranks", "RankError", "free_port", "environ_set", "PRELOAD", "START_METHOD_ENV"]
+
+log = logging.getLogger("model_bridge.spawn")
 
 _GRACE_S = 1.0  # after a first failure, how long to wait for the other ranks' own reports
+START_METHOD_ENV = "MGRPO_START_METHOD"  # "forkserver" (default) or "spawn"
+# What every rank imports and what costs most of a rank's start-up: imported once by the fork server.
+PRELOAD = ("torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt", "transformers",
+           "safetensors.torch")
+# Variables the preloaded modules (or the native libraries they load: OpenMP, MKL) read when they are
+# imported. A rank that needs another value than the fork server started with is spawned afresh.
+_IMPORT_TIME_PREFIXES = ("TRITON_", "TORCH", "PYTORCH_", "MKL_", "KMP_", "GOMP_", "OMP_", "CUDA_",
+                         "NVIDIA_", "LD_", "PYTHON", "HF_", "TRANSFORMERS_", "MEGATRON", "NVTE_")
+# Read later than import: OMP_NUM_THREADS is applied with torch.set_num_threads in the rank, and CUDA
+# reads CUDA_VISIBLE_DEVICES when it initialises (never in the fork server).
+_PER_RANK_OK = frozenset({"OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES"})
+_server: dict[str, Any] = {}  # the fork server this process started: its pid and environment
 
 
 class RankError(RuntimeError):
@@ -105,6 +130,81 @@ def _child(conn, rank: int, fn: Callable, args: tuple, kwargs: dict) -> None:
         conn.close()
     sys.stdout.flush()
     sys.stderr.flush()
+
+
+class _LauncherFd:
+    """One of the launcher's file descriptors, handed to a forked rank: pickling it while the rank
+    starts makes the fork server pass a duplicate, which the rank gets back as an int."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        return (_fd_in_rank, (reduction.DupFd(self.fd),))
+
+
+def _fd_in_rank(dup) -> int:
+    return dup.detach()
+
+
+def _forked_child(setup: tuple, conn, rank: int, fn: Callable, args: tuple, kwargs: dict) -> None:
+    """Entry point of a rank forked from the fork server: take on the launcher's stdout, stderr and
+    environment, as a spawned rank inherits them, then run as one. (multiprocessing itself gives it
+    the launcher's working directory, sys.path and main module.)"""
+    env, out_fd, err_fd = setup
+    from multiprocessing import forkserver
+
+    # multiprocessing hands every forked child the write end of the pipe whose EOF tells the fork
+    # server that its launcher has exited: the server would then outlive a killed launcher for as
+    # long as its ranks run, and the ranks (PR_SET_PDEATHSIG on the server) for as long as it runs.
+    alive_fd = getattr(forkserver._forkserver, "_forkserver_alive_fd", None)
+    if alive_fd is not None:
+        os.close(alive_fd)
+        forkserver._forkserver._forkserver_alive_fd = None
+    for fd, target in ((out_fd, 1), (err_fd, 2)):
+        if fd != target:
+            os.dup2(fd, target)
+            os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    threads = env.get("OMP_NUM_THREADS", "")
+    torch = sys.modules.get("torch")
+    if torch is not None and threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))  # OpenMP read the variable when the fork server loaded it
+    _child(conn, rank, fn, args, kwargs)
+
+
+def _fork_server() -> int | None:
+    """The pid of this process's fork server (started with :data:`PRELOAD` on first use), or None
+    when ranks must be spawned: not Linux, ``MGRPO_START_METHOD=spawn``, or a fork server that
+    someone else started (its environment is unknown)."""
+    if os.environ.get(START_METHOD_ENV, "forkserver") == "spawn" or not sys.platform.startswith("linux"):
+        return None
+    torch = sys.modules.get("torch")
+    if torch is None or torch.cuda.is_available():
+        # a preloaded module may touch CUDA, and CUDA cannot be used in a process forked after that
+        return None
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    if server is None or not hasattr(server, "_forkserver_pid"):
+        return None
+    if server._forkserver_pid is None:
+        forkserver.set_forkserver_preload(list(PRELOAD))
+    elif _server.get("pid") != server._forkserver_pid:
+        return None
+    env = dict(os.environ)
+    forkserver.ensure_running()  # starts it (again, if it died) with this environment
+    if _server.get("pid") != server._forkserver_pid:
+        _server.update(pid=server._forkserver_pid, env=env)
+    return _server["pid"]
+
+
+def _differs_at_import(server_env: dict[str, str], rank_env: dict[str, str]) -> list[str]:
+    """Variables read at import by the preloaded modules whose value the rank needs changed."""
+    keys = set(server_env) | set(rank_env)
+    return sorted(k for k in keys if k.startswith(_IMPORT_TIME_PREFIXES) and k not in _PER_RANK_OK
+                  and server_env.get(k) != rank_env.get(k))
 
 
 def _env_for(rank: int, world_size: int, port: int) -> dict[str, str]:
@@ -208,14 +308,25 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context("spawn")
     port = free_port()
+    extra = {"OMP_NUM_THREADS": "1", **(env or {})}
+    server_pid = _fork_server()
+    if server_pid is not None and (differ := _differs_at_import(_server["env"], {**os.environ, **extra})):
+        log.debug("run_ranks: spawning afresh: %s differ from the fork server's environment", ", ".join(differ))
+        server_pid = None
+    ctx = mp.get_context("spawn" if server_pid is None else "forkserver")
     procs, readers = [], []
     try:
         for rank in range(world_size):
             reader, writer = ctx.Pipe(duplex=False)
-            proc = _start(ctx, _child, (writer, rank, fn, args, kwargs),
-                          {"OMP_NUM_THREADS": "1", **(env or {}), **_env_for(rank, world_size, port)})
+            rank_env = {**extra, **_env_for(rank, world_size, port)}
+            if server_pid is None:
+                proc = _start(ctx, _child, (writer, rank, fn, args, kwargs), rank_env)
+            else:  # PR_SET_PDEATHSIG then watches the fork server, which exits with this process
+                setup = ({**os.environ, **rank_env, PARENT_ENV: str(server_pid)}, _LauncherFd(1), _LauncherFd(2))
+                proc = ctx.Process(target=_forked_child, args=(setup, writer, rank, fn, args, kwargs),
+                                   daemon=False)
+                proc.start()
             writer.close()  # the parent keeps only the read end: EOF when the child is gone
             procs.append(proc)
             readers.append(reader)

@@ -43,6 +43,16 @@ def _wait_for(ok, timeout, what, proc=None, log=None):
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+def _is_rank(p: psutil.Process) -> bool:
+    """A rank of model_bridge.spawn: a multiprocessing child (spawned, or forked by the fork server,
+    whose command line it shares) that leads its own process group, as every rank does."""
+    try:
+        cmd = " ".join(p.cmdline())
+        return ("spawn_main" in cmd or "forkserver" in cmd) and os.getpgid(p.pid) == p.pid
+    except (psutil.NoSuchProcess, ProcessLookupError):
+        return False
+
+
 def _kill_tree_now(proc):
     """Test hygiene if an assertion fails: SIGKILL what is left of `proc`'s tree."""
     try:
@@ -161,7 +171,7 @@ def test_kill_9_of_mgrpo_train_leaves_no_rank_and_no_vllm_process(tmp_path):
     def started():
         try:
             tree = psutil.Process(proc.pid).children(recursive=True)
-            ranks = [p for p in tree if "spawn_main" in " ".join(p.cmdline())]  # model_bridge.spawn's ranks
+            ranks = [p for p in tree if _is_rank(p)]
         except psutil.NoSuchProcess:
             return False
         servers = [(r, _server_group(r.pid)) for r in ranks]

@@ -5,6 +5,7 @@ import os
 import time
 
 import pytest
+import torch
 
 from model_bridge.spawn import RankError, run_ranks
 
@@ -88,6 +89,76 @@ def test_exception_that_does_not_unpickle_becomes_rank_error():
 
 def test_hang_becomes_timeout_error_naming_the_rank():
     t0 = time.monotonic()
+    # rank 1 must finish inside the limit: 15 s leaves room for a new interpreter on a loaded machine
     with pytest.raises(TimeoutError, match=r"ranks \[0\] of 2 did not finish"):
-        run_ranks(_hang_on_rank_0, 2, 600, timeout=5)
-    assert time.monotonic() - t0 < 20
+        run_ranks(_hang_on_rank_0, 2, 600, timeout=15)
+    assert time.monotonic() - t0 < 40
+
+
+def _origin():
+    import sys
+
+    return {"ppid": os.getppid(), "preloaded": "megatron.core" in sys.modules,
+            "late": os.environ.get("MGRPO_TEST_LATE_VAR"), "cwd": os.getcwd()}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a CUDA machine every rank is spawned (no fork server)")
+def test_ranks_fork_from_the_preloading_server_with_the_launchers_current_environment(monkeypatch, tmp_path):
+    """Default: a rank is forked from the fork server (not the launcher's child; megatron-core is
+    already imported), yet sees the launcher's environment and directory as they are now."""
+    run_ranks(_origin, 1)  # the server exists from here on
+    monkeypatch.setenv("MGRPO_TEST_LATE_VAR", "set after the server started")
+    monkeypatch.chdir(tmp_path)
+    (out,) = run_ranks(_origin, 1)
+    assert out["ppid"] != os.getpid() and out["preloaded"]
+    assert out["late"] == "set after the server started" and out["cwd"] == str(tmp_path)
+
+
+def test_a_variable_read_at_import_makes_the_rank_a_fresh_interpreter():
+    (out,) = run_ranks(_origin, 1, env={"TRITON_INTERPRET": "1"})
+    assert out["ppid"] == os.getpid() and not out["preloaded"]
+
+
+LAUNCHER = """
+import sys, time
+import torch
+from model_bridge.spawn import run_ranks
+def sleeper():
+    time.sleep(600)
+if __name__ == "__main__":
+    run_ranks(sleeper, 2, timeout=None)
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a CUDA machine every rank is spawned (no fork server)")
+def test_sigkill_of_the_launcher_ends_the_fork_server_and_its_ranks(tmp_path):
+    import contextlib
+    import signal
+    import subprocess
+    import sys
+
+    import psutil
+
+    script = tmp_path / "launcher.py"
+    script.write_text(LAUNCHER)
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    tree = []
+    proc = subprocess.Popen([sys.executable, str(script)], cwd=repo,
+                            env=dict(os.environ, PYTHONPATH=repo), start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # the server and both ranks (its children) exist
+            tree = psutil.Process(proc.pid).children(recursive=True)
+            if sum("forkserver" in " ".join(p.cmdline()) for p in tree) >= 3:
+                break
+            time.sleep(0.5)
+        assert sum("forkserver" in " ".join(p.cmdline()) for p in tree) >= 3, [p.cmdline() for p in tree]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        gone, alive = psutil.wait_procs(tree, timeout=10)
+        assert alive == [], [p.cmdline() for p in alive]
+    finally:  # hygiene if an assertion failed
+        for p in [proc, *tree]:
+            with contextlib.suppress(ProcessLookupError, psutil.NoSuchProcess):
+                os.kill(p.pid, signal.SIGKILL)
+        proc.wait()
