@@ -25,9 +25,9 @@ Ranks are forked from a fork server that imported torch, megatron-core and trans
 (each multi-rank test and ``mgrpo convert`` pays it per rank). The rank gets the launcher's current
 environment, working directory, ``sys.path``, stdout and stderr, as a ``spawn`` process would. A
 fresh ``spawn`` interpreter is used instead on a machine with a CUDA device (CUDA cannot run in a
-process forked from one that may have touched it), when a variable that the preloaded modules read
-at import (``TRITON_INTERPRET``, ``TORCH_*``, ...) differs from the fork server's, or when
-``MGRPO_START_METHOD=spawn``. A run still going after ``timeout`` seconds gets the Python stacks of the
+process forked from one that may have touched it), when ``env=`` (or the launcher's ``TRITON_*``)
+gives a variable that the preloaded modules read at import (``TRITON_INTERPRET``, ``TORCH_*``, ...)
+another value than the fork server started with, or when ``MGRPO_START_METHOD=spawn``. A run still going after ``timeout`` seconds gets the Python stacks of the
 unfinished ranks dumped to stderr, is killed, and raises ``TimeoutError`` naming those ranks.
 Children are always reaped.
 """
@@ -193,18 +193,29 @@ def _fork_server() -> int | None:
         forkserver.set_forkserver_preload(list(PRELOAD))
     elif _server.get("pid") != server._forkserver_pid:
         return None
-    env = dict(os.environ)
-    forkserver.ensure_running()  # starts it (again, if it died) with this environment
+    # started (again, if it died) without TRITON_* (TRITON_INTERPRET may be set in this process for a
+    # while): ranks that need one get a fresh interpreter instead
+    triton = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("TRITON_")}
+    try:
+        env = dict(os.environ)
+        forkserver.ensure_running()
+    finally:
+        os.environ.update(triton)
     if _server.get("pid") != server._forkserver_pid:
         _server.update(pid=server._forkserver_pid, env=env)
     return _server["pid"]
 
 
-def _differs_at_import(server_env: dict[str, str], rank_env: dict[str, str]) -> list[str]:
-    """Variables read at import by the preloaded modules whose value the rank needs changed."""
-    keys = set(server_env) | set(rank_env)
-    return sorted(k for k in keys if k.startswith(_IMPORT_TIME_PREFIXES) and k not in _PER_RANK_OK
-                  and server_env.get(k) != rank_env.get(k))
+def _differs_at_import(server_env: dict[str, str], extra: dict[str, str]) -> list[str]:
+    """Variables that the preloaded modules read at import whose value this rank needs changed:
+    those ``env=`` sets, and the launcher's ``TRITON_*`` (``TRITON_INTERPRET`` is also set
+    in-process). Other changes to the launcher's own environment since the server started (e.g.
+    what importing vLLM sets) are not the rank's to differ in: the launcher's own copies of the
+    preloaded modules were imported before them as well."""
+    now = {**os.environ, **extra}
+    triton = {k for k in set(server_env) | set(os.environ) if k.startswith("TRITON_")}
+    keys = (set(extra) | triton) - _PER_RANK_OK
+    return sorted(k for k in keys if k.startswith(_IMPORT_TIME_PREFIXES) and server_env.get(k) != now.get(k))
 
 
 def _env_for(rank: int, world_size: int, port: int) -> dict[str, str]:
@@ -311,7 +322,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     port = free_port()
     extra = {"OMP_NUM_THREADS": "1", **(env or {})}
     server_pid = _fork_server()
-    if server_pid is not None and (differ := _differs_at_import(_server["env"], {**os.environ, **extra})):
+    if server_pid is not None and (differ := _differs_at_import(_server["env"], extra)):
         log.debug("run_ranks: spawning afresh: %s differ from the fork server's environment", ", ".join(differ))
         server_pid = None
     ctx = mp.get_context("spawn" if server_pid is None else "forkserver")

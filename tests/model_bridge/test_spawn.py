@@ -108,14 +108,18 @@ def test_ranks_fork_from_the_preloading_server_with_the_launchers_current_enviro
     already imported), yet sees the launcher's environment and directory as they are now."""
     run_ranks(_origin, 1)  # the server exists from here on
     monkeypatch.setenv("MGRPO_TEST_LATE_VAR", "set after the server started")
+    monkeypatch.setenv("KMP_INIT_AT_FORK", "FALSE")  # as importing vLLM does: the launcher's own business
     monkeypatch.chdir(tmp_path)
     (out,) = run_ranks(_origin, 1)
     assert out["ppid"] != os.getpid() and out["preloaded"]
     assert out["late"] == "set after the server started" and out["cwd"] == str(tmp_path)
 
 
-def test_a_variable_read_at_import_makes_the_rank_a_fresh_interpreter():
+def test_a_variable_read_at_import_makes_the_rank_a_fresh_interpreter(monkeypatch):
     (out,) = run_ranks(_origin, 1, env={"TRITON_INTERPRET": "1"})
+    assert out["ppid"] == os.getpid() and not out["preloaded"]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # set in this process: the ranks need it too
+    (out,) = run_ranks(_origin, 1)
     assert out["ppid"] == os.getpid() and not out["preloaded"]
 
 
