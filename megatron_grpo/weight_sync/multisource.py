@@ -21,7 +21,7 @@ Collective over the trainer's default group (every rank calls `push_multisource`
 4. Outcome: rank 0 broadcasts success or its `WeightPushError` text; every rank returns or raises.
 
 All or nothing, as the single-sender push: the gloo engine stages until finish, so a failure
-anywhere leaves every server on its previous weights, resumed (`push._recover`). A sender that
+anywhere leaves every server on its previous weights, resumed (`push.PushSteps.recover`). A sender that
 fails sets the group store's `ABORT_KEY` to "trainer rank R failed at update_weights ..." (every
 pending transfer then fails at once, the worker's error carries the reason to rank 0); a sender
 that dies is named by the worker's failed receive ("from trainer rank R"). The error names the
@@ -32,7 +32,6 @@ leaves them waiting for the transfer timeout (the gloo group has no earlier way 
 from __future__ import annotations
 
 import re
-import time
 from typing import Any
 
 import torch
@@ -47,7 +46,7 @@ from megatron_grpo.weight_sync.gloo import (
     send_to,
     set_abort,
 )
-from megatron_grpo.weight_sync.push import PAUSE_MODES, PushStats, WeightPushError, WeightReceiver, _recover
+from megatron_grpo.weight_sync.push import PAUSE_MODES, PushStats, PushSteps, WeightPushError, WeightReceiver
 from megatron_grpo.weight_sync.shards import ShardEntry, owned_shards
 
 __all__ = ["push_multisource", "plan_buckets", "resolve_mode"]
@@ -179,20 +178,12 @@ def _drive(servers, version, mine, metas, senders, pause_mode, st) -> PushStats:
     _bcast({"n": len(servers), "need": need})
     rounds = max(len(m) for m in metas)
     stats = PushStats(version=version, servers=len(servers))
-    paused, started, finished = [], [], []
-    stage, current, k = "connect", None, -1
-    t_push = t_stage = time.perf_counter()
-
-    def next_stage(name):
-        nonlocal stage, t_stage
-        now = time.perf_counter()
-        stats.stage_seconds[stage] = stats.stage_seconds.get(stage, 0.0) + now - t_stage
-        stage, t_stage = name, now
-
+    steps = PushSteps(servers, stats)
+    k = -1
     go_sent = False
     try:
         for i in need:
-            current = servers[i]
+            steps.current = servers[i]
             handed = []
 
             def hand_over(init_info, handed=handed):
@@ -208,24 +199,14 @@ def _drive(servers, version, mine, metas, senders, pause_mode, st) -> PushStats:
                 for j in need[need.index(i) + 1:]:
                     _bcast({"error": "skipped"})
                 raise
-        next_stage("pause")
-        for s in servers:
-            current = s
-            paused.append(s)
-            s.pause(pause_mode)
-        next_stage("start_weight_update")
-        for s in servers:
-            current = s
-            started.append(s)
-            s.start_weight_update()
-        next_stage("update_weights")
+        steps.pause_and_start(pause_mode)
         go_sent = True
         _bcast("go")
         for k in range(rounds):
             info = _round_info(metas, senders, k)
             buf = pack_bucket([e.tensor for e in mine[k]], device="cpu") if k < len(mine) else None
             for s in servers:
-                current = s
+                steps.current = s
                 s.send_round(info, buf)
             if buf is not None:
                 st["sent_buckets"] += 1
@@ -235,25 +216,16 @@ def _drive(servers, version, mine, metas, senders, pause_mode, st) -> PushStats:
             stats.bytes += sum(torch.Size(sh).numel() * getattr(torch, dt).itemsize
                                for sh, dt in zip(info["shapes"], info["dtype_names"]))
             del buf
-        next_stage("finish_weight_update")
-        for s in servers:
-            current = s
-            s.finish_weight_update(version)
-            finished.append(s)
-        next_stage("resume")
-        for s in servers:
-            current = s
-            s.resume()
-            paused.remove(s)
-        next_stage("done")
+        steps.finish_and_resume(version)
     except BaseException as exc:
+        stage, current = steps.stage, steps.current
         where = f"round {k + 1} of {rounds} " if stage == "update_weights" else ""
         reason = f"trainer rank 0 failed at {stage} {where}: {type(exc).__name__}: {exc}"
         for s in servers:
             set_abort(s.transport.store, reason)
         if not go_sent:
             _bcast({"error": reason})
-        states = _recover(servers, paused, started, finished, version)
+        states = steps.recover(version)
         for s in servers:  # the other senders drop their groups: everyone reconnects next time
             s.drop_transport()
         m = re.search(r"trainer rank (\d+)", str(exc))
@@ -270,8 +242,6 @@ def _drive(servers, version, mine, metas, senders, pause_mode, st) -> PushStats:
             raise err from exc
         raise
     _outcome({"ok": True})
-    stats.stage_seconds.pop("done", None)
-    stats.seconds = time.perf_counter() - t_push
     return stats
 
 

@@ -43,7 +43,7 @@ import torch
 
 from megatron_grpo.weight_sync.buckets import Bucket, iter_buckets
 
-__all__ = ["WeightReceiver", "push", "PushStats", "WeightPushError", "ServerRequestError",
+__all__ = ["WeightReceiver", "push", "PushStats", "PushSteps", "WeightPushError", "ServerRequestError",
            "default_backend"]
 
 PAUSE_MODES = ("abort", "wait")
@@ -358,62 +358,32 @@ def push(weights: Iterable[tuple[str, torch.Tensor]], version: int | str,
                          f"with prefix caches computed from the old weights), got {pause_mode!r}")
     version = str(version)
     stats = PushStats(version=version, servers=len(servers))
-    paused: list[WeightReceiver] = []
-    started: list[WeightReceiver] = []
-    finished: list[WeightReceiver] = []
-    stage, current, bucket_i = "connect", None, -1
-    t_push = time.perf_counter()
-    t_stage = t_push
-
-    def next_stage(name: str) -> None:
-        nonlocal stage, t_stage
-        now = time.perf_counter()
-        stats.stage_seconds[stage] = stats.stage_seconds.get(stage, 0.0) + now - t_stage
-        stage, t_stage = name, now
-
+    steps = PushSteps(servers, stats)
+    bucket_i = -1
     try:
         for s in servers:
-            current = s
+            steps.current = s
             s.use_senders([0])
             s.connect()
-        next_stage("pause")
-        for s in servers:
-            current = s
-            paused.append(s)
-            s.pause(pause_mode)
-        next_stage("start_weight_update")
-        for s in servers:
-            current = s
-            started.append(s)
-            s.start_weight_update()
-        next_stage("update_weights")
+        steps.pause_and_start(pause_mode)
         buckets = iter_buckets(_cast(weights, dtype), bucket_bytes)
         while True:
-            current = None  # an error while producing the next bucket is the trainer's
+            steps.current = None  # an error while producing the next bucket is the trainer's
             bucket = next(buckets, None)
             if bucket is None:
                 break
             bucket_i += 1
             for s in servers:
-                current = s
+                steps.current = s
                 s.send(bucket)
             stats.buckets += 1
             stats.tensors += len(bucket)
             stats.bytes += bucket.nbytes
             del bucket
-        next_stage("finish_weight_update")
-        for s in servers:
-            current = s
-            s.finish_weight_update(version)
-            finished.append(s)
-        next_stage("resume")
-        for s in servers:
-            current = s
-            s.resume()
-            paused.remove(s)
-        next_stage("done")
+        steps.finish_and_resume(version)
     except BaseException as exc:
-        states = _recover(servers, paused, started, finished, version)
+        states = steps.recover(version)
+        stage, current = steps.stage, steps.current
         where = f"bucket {bucket_i + 1} " if stage == "update_weights" else ""
         who = current.url if current is not None else "the trainer (weight stream)"
         msg = (f"weight push of version {version!r} failed at {stage} {where}on {who}: "
@@ -423,9 +393,62 @@ def push(weights: Iterable[tuple[str, torch.Tensor]], version: int | str,
             raise WeightPushError(msg, server=current.url if current else None, version=version,
                                   stage=stage, states=states) from exc
         raise
-    stats.stage_seconds.pop("done", None)
-    stats.seconds = time.perf_counter() - t_push
     return stats
+
+
+class PushSteps:
+    """The server side of one push, in order: pause and start every server, (the caller's
+    transfers,) finish and resume every server. Records where the push stands for the error and
+    the recovery: ``stage``, the server being talked to (``current``; None while the trainer
+    produces data) and the servers paused, started and finished; times each stage into
+    ``stats.stage_seconds`` and the whole push into ``stats.seconds``."""
+
+    def __init__(self, servers: list[WeightReceiver], stats: PushStats):
+        self.servers, self.stats = servers, stats
+        self.paused: list[WeightReceiver] = []
+        self.started: list[WeightReceiver] = []
+        self.finished: list[WeightReceiver] = []
+        self.stage, self.current = "connect", None
+        self._t_push = self._t_stage = time.perf_counter()
+
+    def next_stage(self, name: str) -> None:
+        now = time.perf_counter()
+        self.stats.stage_seconds[self.stage] = self.stats.stage_seconds.get(self.stage, 0.0) + now - self._t_stage
+        self.stage, self._t_stage = name, now
+
+    def pause_and_start(self, pause_mode: str) -> None:
+        """Pause every server, then start its update; the stage is ``update_weights`` after."""
+        self.next_stage("pause")
+        for s in self.servers:
+            self.current = s
+            self.paused.append(s)
+            s.pause(pause_mode)
+        self.next_stage("start_weight_update")
+        for s in self.servers:
+            self.current = s
+            self.started.append(s)
+            s.start_weight_update()
+        self.next_stage("update_weights")
+
+    def finish_and_resume(self, version: str) -> None:
+        """Finish every server's update as ``version``, then resume it; closes the push's timing."""
+        self.next_stage("finish_weight_update")
+        for s in self.servers:
+            self.current = s
+            s.finish_weight_update(version)
+            self.finished.append(s)
+        self.next_stage("resume")
+        for s in self.servers:
+            self.current = s
+            s.resume()
+            self.paused.remove(s)
+        self.next_stage("done")
+        self.stats.stage_seconds.pop("done", None)
+        self.stats.seconds = time.perf_counter() - self._t_push
+
+    def recover(self, version: str) -> dict[str, str]:
+        """After a failure: every touched server to a defined state (``_recover``)."""
+        return _recover(self.servers, self.paused, self.started, self.finished, version)
 
 
 def _recover(servers: list[WeightReceiver], paused: list[WeightReceiver],
