@@ -25,7 +25,7 @@ Ranks are forked from a fork server that imported torch, megatron-core and trans
 (each multi-rank test and ``mgrpo convert`` pays it per rank). The rank gets the launcher's current
 environment, working directory, ``sys.path``, stdout and stderr, as a ``spawn`` process would. A
 fresh ``spawn`` interpreter is used instead on a machine with a CUDA device (CUDA cannot run in a
-process forked from one that may have touched it), when ``env=`` (or the launcher's ``TRITON_*``)
+process forked from one that may have touched it), when ``env=`` (or the launcher's ``TRITON_INTERPRET``)
 gives a variable that the preloaded modules read at import (``TRITON_INTERPRET``, ``TORCH_*``, ...)
 another value than the fork server started with, or when ``MGRPO_START_METHOD=spawn``. A run still going after ``timeout`` seconds gets the Python stacks of the
 unfinished ranks dumped to stderr, is killed, and raises ``TimeoutError`` naming those ranks.
@@ -65,6 +65,8 @@ _IMPORT_TIME_PREFIXES = ("TRITON_", "TORCH", "PYTORCH_", "MKL_", "KMP_", "GOMP_"
 # Read later than import: OMP_NUM_THREADS is applied with torch.set_num_threads in the rank, and CUDA
 # reads CUDA_VISIBLE_DEVICES when it initialises (never in the fork server).
 _PER_RANK_OK = frozenset({"OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES"})
+# Import-time variables also compared in the launcher's own environment: tests set it in-process.
+_LAUNCHER_CHECKED = ("TRITON_INTERPRET",)
 _server: dict[str, Any] = {}  # the fork server this process started: its pid and environment
 
 
@@ -193,9 +195,9 @@ def _fork_server() -> int | None:
         forkserver.set_forkserver_preload(list(PRELOAD))
     elif _server.get("pid") != server._forkserver_pid:
         return None
-    # started (again, if it died) without TRITON_* (TRITON_INTERPRET may be set in this process for a
-    # while): ranks that need one get a fresh interpreter instead
-    triton = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("TRITON_")}
+    # started (again, if it died) without TRITON_INTERPRET (it may be set in this process for a while):
+    # ranks that need it get a fresh interpreter instead
+    triton = {k: os.environ.pop(k) for k in _LAUNCHER_CHECKED if k in os.environ}
     try:
         env = dict(os.environ)
         forkserver.ensure_running()
@@ -208,13 +210,12 @@ def _fork_server() -> int | None:
 
 def _differs_at_import(server_env: dict[str, str], extra: dict[str, str]) -> list[str]:
     """Variables that the preloaded modules read at import whose value this rank needs changed:
-    those ``env=`` sets, and the launcher's ``TRITON_*`` (``TRITON_INTERPRET`` is also set
-    in-process). Other changes to the launcher's own environment since the server started (e.g.
-    what importing vLLM sets) are not the rank's to differ in: the launcher's own copies of the
-    preloaded modules were imported before them as well."""
+    those ``env=`` sets, and the launcher's ``TRITON_INTERPRET`` (also set in-process). Other changes
+    to the launcher's own environment since the server started (importing vLLM sets KMP_*,
+    TORCHINDUCTOR_*, TRITON_CACHE_AUTOTUNING, LD_LIBRARY_PATH) are not the rank's to differ in: the
+    launcher's own copies of the preloaded modules were imported before them as well."""
     now = {**os.environ, **extra}
-    triton = {k for k in set(server_env) | set(os.environ) if k.startswith("TRITON_")}
-    keys = (set(extra) | triton) - _PER_RANK_OK
+    keys = (set(extra) | set(_LAUNCHER_CHECKED)) - _PER_RANK_OK
     return sorted(k for k in keys if k.startswith(_IMPORT_TIME_PREFIXES) and server_env.get(k) != now.get(k))
 
 

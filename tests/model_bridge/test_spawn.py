@@ -108,7 +108,8 @@ def test_ranks_fork_from_the_preloading_server_with_the_launchers_current_enviro
     already imported), yet sees the launcher's environment and directory as they are now."""
     run_ranks(_origin, 1)  # the server exists from here on
     monkeypatch.setenv("MGRPO_TEST_LATE_VAR", "set after the server started")
-    monkeypatch.setenv("KMP_INIT_AT_FORK", "FALSE")  # as importing vLLM does: the launcher's own business
+    for key, value in (("KMP_INIT_AT_FORK", "FALSE"), ("TRITON_CACHE_AUTOTUNING", "1")):
+        monkeypatch.setenv(key, value)  # as importing vLLM does: the launcher's own business
     monkeypatch.chdir(tmp_path)
     (out,) = run_ranks(_origin, 1)
     assert out["ppid"] != os.getpid() and out["preloaded"]
