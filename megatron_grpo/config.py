@@ -211,6 +211,14 @@ class CheckpointSection:
     """Checkpoints kept; older ones are deleted only after a newer one is complete."""
     at_end: bool = True
     """Save after the last step."""
+    async_save: Union[bool, Literal["auto"]] = "auto"
+    """Write the shards in the background while training goes on (engine/checkpoint_async.py); the
+    checkpoint becomes visible to ``--resume`` only once every rank's write is done. "auto": on when
+    training on CUDA (the host copy is cheap there and the write is the slow part), off on CPU."""
+
+    def __post_init__(self):
+        if self.async_save not in (True, False, "auto"):
+            raise ValueError(f"checkpoint.async_save must be true, false or auto, got {self.async_save!r}")
 
 
 @dataclass

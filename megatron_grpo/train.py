@@ -24,6 +24,7 @@ from megatron_grpo.configtree import to_dict
 
 if TYPE_CHECKING:  # the annotations of Run; build_run imports them when it runs (megatron-core is heavy)
     from megatron_grpo.data.reader import DataIterator
+    from megatron_grpo.engine.checkpoint_async import Checkpoints
     from megatron_grpo.engine.setup import Engine
     from megatron_grpo.engine.step import StepConfig
     from megatron_grpo.metrics import MetricsLogger
@@ -170,6 +171,8 @@ class Run:
     dp_size: int
     on_stream: ExitStack
     """Keeps this rank's work on the CUDA-graph capture stream (``engine.graphs.trainer_stream``)."""
+    checkpoints: Checkpoints
+    """The run's checkpoints, at most one being written (``checkpoint.async_save``)."""
 
     def close(self) -> None:
         """Stop what the run started (rank 0's local vLLM server among it) and leave megatron's groups."""
@@ -191,6 +194,7 @@ def build_run(cfg: TrainConfig, resume: bool = False) -> Run:
     from megatron_grpo.data.device_features import trainer_featurizer
     from megatron_grpo.data.reader import DataIterator, read_jsonl
     from megatron_grpo.engine.checkpoint import load_checkpoint
+    from megatron_grpo.engine.checkpoint_async import Checkpoints
     from megatron_grpo.engine.graphs import enable_graphs, trainer_stream
     from megatron_grpo.engine.nonfinite import NonFiniteSkips
     from megatron_grpo.engine.setup import build_engine
@@ -279,7 +283,9 @@ def build_run(cfg: TrainConfig, resume: bool = False) -> Run:
         raise
     return Run(cfg=cfg, rank=rank, run_dir=run_dir, engine=engine, backend=backend, source=source,
                to_ranks=to_ranks, kept=kept, data=data, featurize=featurize, packing=packing, step_cfg=step_cfg,
-               logger=logger, bar=bar, start=start, dp_rank=dp_rank, dp_size=dp_size, on_stream=on_stream)
+               logger=logger, bar=bar, start=start, dp_rank=dp_rank, dp_size=dp_size, on_stream=on_stream,
+               checkpoints=Checkpoints(run_dir, keep_last=cfg.checkpoint.keep_last,
+                                       async_save=_async_save(cfg.checkpoint.async_save)))
 
 
 def train(cfg: TrainConfig, resume: bool = False) -> int:
@@ -329,15 +335,18 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
                     if run.rank == 0:                                        # 7. log
                         no_signal = _log_step(run, step, trajs, train_metrics, push_s, times, extra, no_signal)
                     stop = preempt.agreed()                                  # 8. checkpoint
-                    if stop or _checkpoint_due(cfg, step):
-                        with wd.collective("save_checkpoint"):
-                            _save(run, step)
+                    with wd.collective("save_checkpoint"):
+                        run.checkpoints.poll()  # finishes an asynchronous save once written everywhere
+                        if stop or _checkpoint_due(cfg, step):
+                            _save(run, step, wait=stop)
                     if stop:
                         if run.rank == 0:
                             _write_preempted(run.run_dir, step, preempt.signal_name)
                             print(f"[train] preempted: checkpoint of step {step} saved; resume with "
                                   f"`mgrpo train --resume {run.run_dir}`", flush=True)
                         break
+            with wd.collective("save_checkpoint"):
+                run.checkpoints.wait()  # an asynchronous save still being written is complete before the end
     finally:
         src.close()  # waits for a background rollout, with the preemption handler still in place
         preempt.restore()
@@ -368,11 +377,15 @@ def _checkpoint_due(cfg: TrainConfig, step: int) -> bool:
     return bool((ck.every and step % ck.every == 0) or (ck.at_end and step == cfg.trainer.steps))
 
 
-def _save(run: Run, step: int) -> None:
-    """The checkpoint of `step` (collective): model, optimizer, LR schedule, the data position and
-    the skipped-update counters."""
-    from megatron_grpo.engine.checkpoint import save_checkpoint
+def _async_save(setting) -> bool:
+    """``checkpoint.async_save``: "auto" is on when training on CUDA."""
+    return torch.cuda.is_available() if setting == "auto" else bool(setting)
 
+
+def _save(run: Run, step: int, wait: bool = False) -> None:
+    """The checkpoint of `step` (collective): model, optimizer, LR schedule, the data position and
+    the skipped-update counters; written in the background with ``checkpoint.async_save`` unless
+    ``wait`` (a preemption: the job ends next)."""
     e = run.engine
     extra = {"data": run.source.data_state(), "nonfinite": e.nonfinite.state_dict() if e.nonfinite else None}
-    save_checkpoint(run.run_dir, step, e.model, e.optimizer, e.scheduler, extra, keep_last=run.cfg.checkpoint.keep_last)
+    run.checkpoints.save(step, e.model, e.optimizer, e.scheduler, extra, wait=wait)

@@ -40,11 +40,12 @@ def parse_layout(text: str) -> dict:
     return out
 
 
-def _rank(hf_dir: str, run_dir: str, layout: dict, dtype_name: str, save: bool) -> dict:
+def _rank(hf_dir: str, run_dir: str, layout: dict, dtype_name: str, save: bool, async_save: bool = False) -> dict:
     """One rank: build, (save,) load; wall-clock marks of every phase."""
     import torch
 
     from megatron_grpo.engine.checkpoint import init_optimizer_state, load_checkpoint, save_checkpoint
+    from megatron_grpo.engine.checkpoint_async import start_checkpoint
     from megatron_grpo.engine.setup import OptimConfig, build_engine
     from model_bridge.config import ParallelLayout
     from model_bridge.parallel import destroy_parallel, init_parallel
@@ -56,7 +57,13 @@ def _rank(hf_dir: str, run_dir: str, layout: dict, dtype_name: str, save: bool) 
     init_optimizer_state(engine.optimizer)
     params = sum(p.numel() for m in engine.modules for p in m.parameters())
     marks["built"] = time.time()
-    if save:
+    if save and async_save:  # the step would go on after "save_started"; here it waits for the write
+        pending = start_checkpoint(run_dir, 1, engine.model, engine.optimizer, engine.scheduler, {"data": None},
+                                   keep_last=None)
+        marks["save_started"] = time.time()
+        pending.wait()
+        marks["saved"] = time.time()
+    elif save:
         save_checkpoint(run_dir, 1, engine.model, engine.optimizer, engine.scheduler, {"data": None}, keep_last=None)
         marks["saved"] = time.time()
     load_checkpoint(run_dir, engine.model, engine.optimizer, engine.scheduler)
@@ -95,7 +102,7 @@ def _spawned(ranks: int, *args) -> tuple[list, list, float]:
 
 def run_bench(out_dir, *, hf_dir=None, layers: int = 4, audio_layers: int = 8, ranks: int = 1,
               save_layout: dict | None = None, load_ranks: int | None = None, load_layout: dict | None = None,
-              dtype: str = "bfloat16", work_dir=None, keep: bool = False) -> dict:
+              dtype: str = "bfloat16", work_dir=None, keep: bool = False, async_save: bool = False) -> dict:
     from launch.bench.convert import _machine, write_checkpoint
 
     out = Path(out_dir)
@@ -111,13 +118,14 @@ def run_bench(out_dir, *, hf_dir=None, layers: int = 4, audio_layers: int = 8, r
     run_dir = work / "run"
     shutil.rmtree(run_dir, ignore_errors=True)
     save_layout = save_layout or {}
-    res, samples, wall0 = _spawned(ranks, str(hf_dir), str(run_dir), save_layout, dtype, True)
+    res, samples, wall0 = _spawned(ranks, str(hf_dir), str(run_dir), save_layout, dtype, True, async_save)
     ckpt = next((run_dir / "checkpoints").glob("step_*"))
     result["params"] = sum(r["rank_params"] for r in res)  # replicated parameters counted once per rank
     result["checkpoint_bytes"] = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
-    result["save"] = {"ranks": ranks, "layout": save_layout,
-                      **_phases(res, samples, wall0, [("build", "start", "built"), ("save", "built", "saved"),
-                                                      ("load_same_layout", "saved", "loaded")])}
+    phases = [("build", "start", "built"), ("save", "built", "saved"), ("load_same_layout", "saved", "loaded")]
+    if async_save:  # the part of the save that holds the training step up, and the background write
+        phases[2:2] = [("save_blocking", "built", "save_started"), ("save_write", "save_started", "saved")]
+    result["save"] = {"ranks": ranks, "layout": save_layout, "async": async_save, **_phases(res, samples, wall0, phases)}
     if load_layout is not None:
         n = load_ranks or ranks
         res, samples, wall0 = _spawned(n, str(hf_dir), str(run_dir), load_layout, dtype, False)
@@ -133,7 +141,7 @@ def run_bench(out_dir, *, hf_dir=None, layers: int = 4, audio_layers: int = 8, r
 def _cmd(args: argparse.Namespace) -> int:
     r = run_bench(args.out, hf_dir=args.hf_dir, layers=args.layers, audio_layers=args.audio_layers, ranks=args.ranks,
                   save_layout=args.save_layout, load_ranks=args.load_ranks, load_layout=args.load_layout,
-                  dtype=args.dtype, work_dir=args.work_dir, keep=args.keep)
+                  dtype=args.dtype, work_dir=args.work_dir, keep=args.keep, async_save=args.async_save)
     print(json.dumps({k: r[k] for k in ("params", "checkpoint_bytes", "save", "load_other_layout") if k in r},
                      indent=1))
     return 0
@@ -153,6 +161,8 @@ def add_parser(bsub) -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="model weights")
     s.add_argument("--work-dir", default=None, help="where the checkpoints go (default OUT/work)")
     s.add_argument("--keep", action="store_true", help="keep the generated checkpoints")
+    s.add_argument("--async-save", action="store_true",
+                   help="save as checkpoint.async_save does: time the blocking part and the background write")
     s.set_defaults(func=_cmd)
     return s
 

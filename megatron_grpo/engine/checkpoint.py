@@ -69,7 +69,7 @@ from model_bridge.dist_ckpt.runs import (CHECKPOINT_FORMAT, DEL_PREFIX, LATEST_F
                                          checkpoint_root, find_latest_checkpoint, list_checkpoints, read_run_meta,
                                          step_dirname, warn_checkpoint)
 
-__all__ = ["save_checkpoint", "load_checkpoint", "find_latest_checkpoint", "list_checkpoints",
+__all__ = ["save_checkpoint", "begin_save", "SaveInProgress", "load_checkpoint", "find_latest_checkpoint", "list_checkpoints",
            "checkpoint_root", "CheckpointError", "rng_state", "set_rng_state", "CHECKPOINT_FORMAT",
            "DEFAULT_OPTIMIZER_SHARDING", "META_FILE", "LATEST_FILE", "init_optimizer_state"]
 
@@ -361,8 +361,69 @@ def save_checkpoint(run_dir: os.PathLike | str, step: int, model_chunks, optimiz
     ``optimizer``: the megatron optimizer; ``scheduler``: the ``OptimizerParamScheduler`` (or None);
     ``extra_state``: this rank's picklable extra state (data position...), returned by
     :func:`load_checkpoint`. ``keep_last``: complete checkpoints kept after this one is complete
-    (None or 0: all).
+    (None or 0: all). :func:`~megatron_grpo.engine.checkpoint_async.start_checkpoint` is the
+    asynchronous variant (the shards are written while training goes on).
     """
+    save = begin_save(run_dir, step, model_chunks, optimizer, scheduler, extra_state, keep_last=keep_last,
+                      optimizer_sharding=optimizer_sharding, async_write=False)
+    return save.finish()
+
+
+class SaveInProgress:
+    """A checkpoint whose directory ``.tmp-step_N`` exists on every rank's file system and whose
+    shards are being (or have been) written; :meth:`finish` (collective) makes it visible."""
+
+    def __init__(self, *, root: Path, tmp: Path, final: Path, step: int, t0: float, meta: dict,
+                 keep_last: Optional[int], request=None):
+        self.root, self.tmp, self.final, self.step, self.t0 = root, tmp, final, step, t0
+        self.meta, self.keep_last = meta, keep_last
+        self.request = request
+        """megatron's ``AsyncRequest`` of the shards' write (async saves), None once written."""
+
+    def finish(self, write_error: Optional[BaseException] = None) -> Path:
+        """Collective: megatron's finalisation (its ``.metadata`` and ``metadata.json``), then rank 0
+        writes ``mgrpo_checkpoint.json``, renames ``.tmp-step_N`` to ``step_N``, replaces ``latest``
+        and rotates; a failure on any rank is raised on every rank."""
+        step = self.step
+        _raise_if_any_failed(write_error, f"writing the shards of step {step}")
+        if self.request is not None:
+            error = None
+            try:
+                for fn in self.request.finalize_fns:
+                    fn()
+            except BaseException as e:  # noqa: BLE001
+                error = e
+            self.request = None
+            _raise_if_any_failed(error, f"finalising step {step}")
+        error = None
+        if _rank() == 0:
+            try:
+                meta = {**self.meta, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                        "save_seconds": round(time.monotonic() - self.t0, 3)}
+                _write_text_atomic(self.tmp / META_FILE, json.dumps(meta, indent=1) + "\n")
+                _fsync_dir(self.tmp)
+                if self.final.exists():  # a checkpoint of the same step from an earlier attempt
+                    _remove_dir(self.final)
+                os.rename(self.tmp, self.final)
+                _fsync_dir(self.root)
+                _write_text_atomic(self.root / LATEST_FILE, self.final.name + "\n")
+                _fsync_dir(self.root)
+                for p in _rotate(self.root, self.keep_last, self.final):
+                    log.info("removed old checkpoint %s (keep_last=%s)", p, self.keep_last)
+            except BaseException as e:  # noqa: BLE001
+                error = CheckpointError(f"finishing checkpoint {self.final}: {e}")
+        _raise_if_any_failed(error, f"finishing step {step}")
+        _barrier()
+        log.info("saved checkpoint %s in %.1f s", self.final, time.monotonic() - self.t0)
+        return self.final
+
+
+def begin_save(run_dir: os.PathLike | str, step: int, model_chunks, optimizer, scheduler,
+               extra_state: Any = None, *, keep_last: Optional[int] = 3,
+               optimizer_sharding: str = DEFAULT_OPTIMIZER_SHARDING, async_write: bool = False) -> SaveInProgress:
+    """Collective: create ``.tmp-step_N``, build the sharded state dict and hand it to megatron's
+    ``dist_checkpointing.save``: written before returning, or (``async_write``) planned, with
+    megatron's ``AsyncRequest`` for the write in the result (``checkpoint_async.py`` runs it)."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -386,7 +447,7 @@ def save_checkpoint(run_dir: os.PathLike | str, step: int, model_chunks, optimiz
             error = CheckpointError(f"cannot create {tmp}: {e}")
     _raise_if_any_failed(error, f"creating {tmp}")
 
-    error = None
+    error, request = None, None
     with collective(f"save_checkpoint(step {step})"):
         try:
             chunks = _chunks(model_chunks)
@@ -395,36 +456,16 @@ def save_checkpoint(run_dir: os.PathLike | str, step: int, model_chunks, optimiz
             sd["mgrpo"] = {"format": CHECKPOINT_FORMAT, "step": step}
             sd["rank_state"] = ShardedObject("mgrpo.rank_state", _pack({"rng": rng_state(), "extra": extra_state}),
                                              (world,), (rank,), replica_id=0)
-            dist_checkpointing.save(sd, str(tmp))
+            request = dist_checkpointing.save(sd, str(tmp), async_sharded_save=async_write)
         except BaseException as e:  # noqa: BLE001
             error = e
     _raise_if_any_failed(error, f"saving step {step}")
-
-    error = None
-    if rank == 0:
-        try:
-            meta = {"format": CHECKPOINT_FORMAT, "step": step, "complete": True,
-                    "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "save_seconds": round(time.monotonic() - t0, 3),
-                    "layout": _layout_info(), "num_model_chunks": len(_chunks(model_chunks)),
-                    "optimizer": optimizer is not None, "optimizer_sharding": optimizer_sharding,
-                    "vocab_unpadded": True,
-                    "scheduler": scheduler is not None, "versions": _versions()}
-            _write_text_atomic(tmp / META_FILE, json.dumps(meta, indent=1) + "\n")
-            _fsync_dir(tmp)
-            if final.exists():  # a checkpoint of the same step from an earlier attempt
-                _remove_dir(final)
-            os.rename(tmp, final)
-            _fsync_dir(root)
-            _write_text_atomic(root / LATEST_FILE, final.name + "\n")
-            _fsync_dir(root)
-            for p in _rotate(root, keep_last, final):
-                log.info("removed old checkpoint %s (keep_last=%s)", p, keep_last)
-        except BaseException as e:  # noqa: BLE001
-            error = CheckpointError(f"finishing checkpoint {final}: {e}")
-    _raise_if_any_failed(error, f"finishing step {step}")
-    _barrier()
-    log.info("saved checkpoint %s in %.1f s", final, time.monotonic() - t0)
-    return final
+    meta = {"format": CHECKPOINT_FORMAT, "step": step, "complete": True, "layout": _layout_info(),
+            "num_model_chunks": len(_chunks(model_chunks)), "optimizer": optimizer is not None,
+            "optimizer_sharding": optimizer_sharding, "vocab_unpadded": True,
+            "scheduler": scheduler is not None, "versions": _versions(), "async_write": bool(async_write)}
+    return SaveInProgress(root=root, tmp=tmp, final=final, step=step, t0=t0, meta=meta, keep_last=keep_last,
+                          request=request)
 
 
 # ------------------------------------------------------------------------------------------------

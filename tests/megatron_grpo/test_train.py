@@ -138,8 +138,10 @@ def test_bad_data_row_fails_before_any_rank_or_server_starts(mgrpo_inproc, tmp_p
 @pytest.mark.slow
 def test_embedded_default_learns_checkpoints_and_resumes(remote_server, tmp_path):
     run = tmp_path / "run"
+    # the checkpoints written in the background (checkpoint.async_save; "auto" is off on CPU): the
+    # loop finishes each one at a later step or at the end, and the resume below reads the last
     r = _mgrpo("train", f"trainer.steps={REWARD_STEPS}", "checkpoint.every=3", "checkpoint.keep_last=1",
-               *_remote(remote_server), f"trainer.run_dir={run}")
+               "checkpoint.async_save=true", *_remote(remote_server), f"trainer.run_dir={run}")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     m = _metrics(run)
     assert [x["step"] for x in m] == list(range(1, REWARD_STEPS + 1))
@@ -152,6 +154,7 @@ def test_embedded_default_learns_checkpoints_and_resumes(remote_server, tmp_path
     assert any((run / "tensorboard").iterdir())
     # step 3's checkpoint was written and then dropped (keep_last=1)
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step_")) == ["step_00000006"]
+    assert json.loads((run / "checkpoints" / "step_00000006" / "mgrpo_checkpoint.json").read_text())["async_write"]
     for key in ("loss", "grad_norm", "mismatch_kl_k3", "time/rollout", "time/train", "time/push", "tokens_per_s"):
         assert key in m[0], key
 

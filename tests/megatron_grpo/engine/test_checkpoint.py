@@ -77,11 +77,28 @@ def _engine(layout: dict):
     return optim, build_engine
 
 
+def _held_writer():
+    """Hold every asynchronous checkpoint write until the returned event is set (a slow disk: the
+    next step changes every parameter and Adam moment before the write starts)."""
+    import threading
+
+    from megatron_grpo.engine.checkpoint_async import PendingSave
+
+    gate, write = threading.Event(), PendingSave._write
+
+    def held(self, fn, args, kwargs):
+        gate.wait(120)
+        write(self, fn, args, kwargs)
+
+    PendingSave._write = held
+    return gate
+
+
 def _train_steps(hf_dir: str, run_dir: str, last_step: int, *, save_at: tuple = (), resume: bool = False,
-                 layout: dict | None = None, copy_to: str | None = None) -> dict:
+                 layout: dict | None = None, copy_to: str | None = None, async_save: bool = False) -> dict:
     """Build the engine at ``layout`` (ParallelLayout keywords), optionally resume (and save what
     was loaded again, at this layout, under ``copy_to``), train up to ``last_step`` (saving at
-    ``save_at``)."""
+    ``save_at``; ``async_save``: in the background, the write held until the next step is done)."""
     import random
 
     import numpy as np
@@ -89,7 +106,8 @@ def _train_steps(hf_dir: str, run_dir: str, last_step: int, *, save_at: tuple = 
 
     from megatron_grpo.algo.losses import LossConfig
     from megatron_grpo.engine.batch import build_train_microbatches
-    from megatron_grpo.engine.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_grpo.engine.checkpoint import find_latest_checkpoint, load_checkpoint, save_checkpoint
+    from megatron_grpo.engine.checkpoint_async import start_checkpoint
     from megatron_grpo.engine.step import NonFiniteSkips, StepConfig, train_step
     from megatron_grpo.packing import PackLimits, plan_step
     from model_bridge.config import ParallelLayout
@@ -106,7 +124,7 @@ def _train_steps(hf_dir: str, run_dir: str, last_step: int, *, save_at: tuple = 
     cfg = StepConfig(loss=LossConfig(variant="grpo", entropy_coef=0.01), logprob_chunk_size=64)
     pack = PackLimits(max_tokens_per_microbatch=64, pad_multiple=2)  # one packing for every layout (SP at TP2)
     out = {"losses": {}, "lrs": {}, "grad_norms": {}, "resumed_at": None}
-    start = 1
+    start, pending, gate = 1, None, _held_writer() if async_save else None
     if resume:
         step, extra = load_checkpoint(run_dir, engine.model, engine.optimizer, engine.scheduler)
         data.load_state_dict(extra["data"])
@@ -121,22 +139,31 @@ def _train_steps(hf_dir: str, run_dir: str, last_step: int, *, save_at: tuple = 
         mbs = build_train_microbatches(trajs, plan, ps.get_data_parallel_rank(), pack)
         m = train_step(engine, mbs, cfg, skips=skips, step=step)
         out["losses"][step], out["lrs"][step], out["grad_norms"][step] = m["loss"], m["lr"], m["grad_norm"]
+        if pending is not None:  # the step after an asynchronous save: now let the write go
+            out["latest_while_writing"] = find_latest_checkpoint(run_dir, warn=False)
+            gate.set()
+            out["written"] = str(pending.wait())
+            pending = None
         if step in save_at:
-            save_checkpoint(run_dir, step, engine.model, engine.optimizer, engine.scheduler,
-                            {"data": data.state_dict(), "skips": skips.state_dict()}, keep_last=2)
+            extra = {"data": data.state_dict(), "skips": skips.state_dict()}
+            if async_save:
+                pending = start_checkpoint(run_dir, step, engine.model, engine.optimizer, engine.scheduler, extra,
+                                           keep_last=2)
+            else:
+                save_checkpoint(run_dir, step, engine.model, engine.optimizer, engine.scheduler, extra, keep_last=2)
             out["params_saved"] = {n: p.detach().clone() for n, p in engine.modules[0].named_parameters()}
     out["params"] = {n: p.detach().clone() for n, p in engine.modules[0].named_parameters()}
     out["data_position"] = data.position
     return out
 
 
-def _uninterrupted_then_saved(hf_dir: str, run_dir: str) -> dict:
+def _uninterrupted_then_saved(hf_dir: str, run_dir: str, async_save: bool = False) -> dict:
     """Steps 1..3 without saving; then, from scratch in the same process, steps 1..3 saving at 2."""
     from model_bridge.parallel import destroy_parallel
 
     a = _train_steps(hf_dir, run_dir, 3)
     destroy_parallel(destroy_process_group=False)
-    b = _train_steps(hf_dir, run_dir, 3, save_at=(2,))
+    b = _train_steps(hf_dir, run_dir, 3, save_at=(2,), async_save=async_save)
     destroy_parallel()
     return {"uninterrupted": a, "saving": b}
 
@@ -154,15 +181,20 @@ def _resumed(hf_dir: str, run_dir: str) -> dict:
     return out
 
 
-def _check_resume(world: int, hf_dir: str, run_dir: Path) -> str:
+def _check_resume(world: int, hf_dir: str, run_dir: Path, async_save: bool = False) -> str:
     t0 = time.monotonic()
-    first = run_ranks(_uninterrupted_then_saved, world, hf_dir, str(run_dir), timeout=240, env=CPU_ONLY)
+    first = run_ranks(_uninterrupted_then_saved, world, hf_dir, str(run_dir), async_save, timeout=240, env=CPU_ONLY)
     t1 = time.monotonic()
     second = run_ranks(_resumed, world, hf_dir, str(run_dir), timeout=240, env=CPU_ONLY)
     t2 = time.monotonic()
     ck = run_dir / "checkpoints"
     assert (ck / "latest").read_text().strip() == "step_00000002"
     meta = json.loads((ck / "step_00000002" / "mgrpo_checkpoint.json").read_text())
+    assert meta["async_write"] is async_save
+    if async_save:  # invisible to --resume until every rank's write is done, then complete
+        for rank in range(world):
+            assert first[rank]["saving"]["latest_while_writing"] is None
+            assert first[rank]["saving"]["written"] == str(ck / "step_00000002")
     assert meta["step"] == 2 and meta["layout"]["world_size"] == world and meta["optimizer_sharding"] == "fully_reshardable"
     for rank in range(world):
         a, b, c = first[rank]["uninterrupted"], first[rank]["saving"], second[rank]
@@ -209,8 +241,10 @@ def test_resume_is_bit_identical_world1(hf_dir, tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_is_bit_identical_world2(hf_dir, tmp_path):
-    print("\n" + _check_resume(2, hf_dir, tmp_path))
+def test_resume_is_bit_identical_world2_from_an_async_save(hf_dir, tmp_path):
+    """The save at step 2 is asynchronous and its write is held until step 3 has changed every
+    parameter and Adam moment: the checkpoint still holds step 2 exactly (the host snapshot)."""
+    print("\n" + _check_resume(2, hf_dir, tmp_path, async_save=True))
 
 
 # ------------------------------------------------------------------------------------------------
