@@ -194,7 +194,7 @@ def build_run(cfg: TrainConfig, resume: bool = False) -> Run:
     from megatron_grpo.data.device_features import trainer_featurizer
     from megatron_grpo.data.reader import DataIterator, read_jsonl
     from megatron_grpo.engine.checkpoint import load_checkpoint
-    from megatron_grpo.engine.checkpoint_async import Checkpoints
+    from megatron_grpo.engine.checkpoint_async import Checkpoints, async_save_enabled
     from megatron_grpo.engine.graphs import enable_graphs, trainer_stream
     from megatron_grpo.engine.nonfinite import NonFiniteSkips
     from megatron_grpo.engine.setup import build_engine
@@ -285,7 +285,7 @@ def build_run(cfg: TrainConfig, resume: bool = False) -> Run:
                to_ranks=to_ranks, kept=kept, data=data, featurize=featurize, packing=packing, step_cfg=step_cfg,
                logger=logger, bar=bar, start=start, dp_rank=dp_rank, dp_size=dp_size, on_stream=on_stream,
                checkpoints=Checkpoints(run_dir, keep_last=cfg.checkpoint.keep_last,
-                                       async_save=_async_save(cfg.checkpoint.async_save)))
+                                       async_save=async_save_enabled(cfg.checkpoint.async_save)))
 
 
 def train(cfg: TrainConfig, resume: bool = False) -> int:
@@ -375,11 +375,6 @@ def _log_step(run: Run, step: int, trajs, train_metrics: dict, push_s: float, ti
 def _checkpoint_due(cfg: TrainConfig, step: int) -> bool:
     ck = cfg.checkpoint
     return bool((ck.every and step % ck.every == 0) or (ck.at_end and step == cfg.trainer.steps))
-
-
-def _async_save(setting) -> bool:
-    """``checkpoint.async_save``: "auto" is on when training on CUDA."""
-    return torch.cuda.is_available() if setting == "auto" else bool(setting)
 
 
 def _save(run: Run, step: int, wait: bool = False) -> None:

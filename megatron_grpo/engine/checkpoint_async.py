@@ -33,7 +33,7 @@ import torch
 from megatron_grpo.engine.checkpoint import (DEFAULT_OPTIMIZER_SHARDING, SaveInProgress, _device, _dist,
                                              begin_save)
 
-__all__ = ["start_checkpoint", "PendingSave", "Checkpoints", "snapshot_write_buckets"]
+__all__ = ["start_checkpoint", "PendingSave", "Checkpoints", "async_save_enabled", "snapshot_write_buckets"]
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +132,11 @@ def start_checkpoint(run_dir: os.PathLike | str, step: int, model_chunks, optimi
     pending = PendingSave(save)
     log.info("checkpoint of step %d: writing in the background (host copy %.2f s)", step, pending.snapshot_s)
     return pending
+
+
+def async_save_enabled(setting) -> bool:
+    """``checkpoint.async_save``: true, false, or "auto" = on when training on CUDA."""
+    return torch.cuda.is_available() if setting == "auto" else bool(setting)
 
 
 class Checkpoints:

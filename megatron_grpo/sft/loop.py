@@ -41,7 +41,8 @@ def sft(cfg: TrainConfig, resume: bool = False) -> int:
     from megatron_grpo.data.device_features import trainer_featurizer
     from megatron_grpo.data.reader import DataIterator
     from megatron_grpo.engine.batch import build_train_microbatches
-    from megatron_grpo.engine.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_grpo.engine.checkpoint import load_checkpoint
+    from megatron_grpo.engine.checkpoint_async import Checkpoints, async_save_enabled
     from megatron_grpo.engine.setup import build_engine
     from megatron_grpo.engine.step import StepConfig, train_step
     from megatron_grpo.hang import StepSchedule, Watchdog, check_schedule
@@ -87,6 +88,8 @@ def sft(cfg: TrainConfig, resume: bool = False) -> int:
                            plotted=(("loss", "SFT loss (token-mean NLL)"), ("grad_norm", "grad norm"))) \
         if rank == 0 else None
     start = 0
+    ckpts = Checkpoints(run_dir, keep_last=cfg.checkpoint.keep_last,
+                        async_save=async_save_enabled(cfg.checkpoint.async_save))
     try:
         if resume:
             start, extra = load_checkpoint(run_dir, engine.model, engine.optimizer, engine.scheduler)
@@ -114,10 +117,12 @@ def sft(cfg: TrainConfig, resume: bool = False) -> int:
                         logger.log(step, m)
                         if cfg.logging.progress:
                             print(_progress_line(step, s.steps, m, m["time/step"]), flush=True)
-                    if step == s.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
-                        with wd.collective("save_checkpoint"):  # the last one always: the export reads it
-                            save_checkpoint(run_dir, step, engine.model, engine.optimizer, engine.scheduler,
-                                            {"data": data.state_dict()}, keep_last=cfg.checkpoint.keep_last)
+                    with wd.collective("save_checkpoint"):
+                        ckpts.poll()  # finishes an asynchronous save once written everywhere
+                        if step == s.steps or (cfg.checkpoint.every and step % cfg.checkpoint.every == 0):
+                            # the last one always, and written before the end: the export reads it
+                            ckpts.save(step, engine.model, engine.optimizer, engine.scheduler,
+                                       {"data": data.state_dict()}, wait=step == s.steps)
     finally:
         if logger:
             logger.close()
