@@ -1,0 +1,336 @@
+"""Multi-source push to GPU servers through vLLM's own many-to-many engine (`nccl_m2n`).
+
+vLLM 0.32's `M2NTrainerWeightTransferEngine` (vllm/distributed/weight_transfer/m2n_trainer.py) puts
+every trainer rank and every inference worker in one NCCL communicator (trainer ranks [0, T)) and
+moves each parameter with one `nccl.m2n.reshard`, collective over all of them. What it needs from
+the trainer, per rank (`M2NWeightSource`):
+
+* one mesh for the whole trainer: `M2NMesh((a, b), 0)` over ranks [0, T), row-major;
+* per HF-named parameter, the same list on every rank (`M2NParamMeta`): name, wire dtype, full HF
+  shape, and its placement over that mesh: one axis shards a tensor dim evenly (`Shard(d)`), the
+  other replicates, or `REPLICATED` (every trainer rank holds the whole tensor);
+* iteration: this rank's local piece of each parameter, in the metadata's order.
+
+`describe(model)` builds that from our export (`model_bridge.export.export_tasks`: every rank's own
+TP/ETP slices and EP experts): the mesh is (T / s, s) with s the one split size of the job (TP, or
+EP, or ETP), axis 1 being the rank's position in that group (megatron-core's default rank order puts
+TP, and EP when ETP is 1, fastest; checked on the groups themselves). A TP slice of a fused Megatron
+tensor becomes slices of the HF tensors (q/k/v, gate/up split locally, no communication); under
+EP the experts of one layer travel as vLLM's fused checkpoint tensors
+`...mlp.experts.gate_up_proj` [E, 2I, H] and `...mlp.experts.down_proj` [E, H, I], split along the
+expert dim (vLLM's MoE loader takes both forms). A padded vocab-parallel embedding / output layer
+(HF vocab not a multiple of 128 x TP) cannot be split evenly in HF rows: it is all-gathered in the
+TP group and sent as replicated. Jobs that do not fit raise `M2NUnfit` with the reason:
+
+* pipeline parallelism (a stage's layers are on its ranks only; a reshard spans all trainer ranks);
+* TP and EP both > 1 and unequal, or ETP > 1 with EP > 1, or ETP != TP (two split sizes, one mesh);
+* a process-group layout other than megatron-core's default order (groups not contiguous ranks);
+* a parameter past vLLM's own checks (`validate`: dtype, rank <= 3, even split, at most 16 source
+  shards into a replicated destination, which every Qwen3-Omni parameter is: its checkpoint names
+  are not vLLM's parameter names, so every worker receives the full tensor and `load_weights`).
+
+`push_m2n` drives vLLM's engine on every trainer rank (collective over the default group) with rank
+0 alone on the HTTP control plane, as `multisource.push_multisource` does: pause, start, the
+reshards (the engine's `/update_weights` runs concurrently with them), finish with the version,
+resume, through `push.PushSteps`; a failure is raised on every rank as `WeightPushError` naming the
+stage. vLLM's engine loads as the reshards land, so a failed transfer leaves that server PAUSED with
+a partial update (named in the error), never resumed on a mix. Needs CUDA, vLLM and the
+`nccl-extensions` package on the trainer and the servers; not run on this project's machines yet.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["M2NUnfit", "M2NPiece", "M2NPlan", "describe", "validate", "unfit_reason", "make_source", "push_m2n",
+           "M2NLink"]
+
+REPLICATE = -1  # vLLM's placement code for a replicating mesh axis (m2n_common.REPLICATE)
+MAX_TENSOR_DIMS = 3  # ncclReshard's limit (m2n_common.MAX_TENSOR_DIMS)
+_EXPERT = re.compile(r"^(?P<prefix>.*\.mlp\.experts)\.\d+\.(?P<proj>gate|up|down)_proj\.weight$")
+_EXPERT_ID = re.compile(r"\.experts\.(\d+)\.")
+
+
+class M2NUnfit(ValueError):
+    """The job's export cannot be described for nccl_m2n; the message says which part and why."""
+
+
+@dataclass
+class M2NPiece:
+    """One HF-named tensor as nccl_m2n moves it: full `shape`, `placements` over the trainer mesh
+    (None: replicated) and `local()`, this rank's piece read from the model at send time."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    placements: tuple[int, int] | None
+    local: Callable[[], torch.Tensor]
+
+
+@dataclass
+class M2NPlan:
+    mesh_dims: tuple[int, int]
+    pieces: list[M2NPiece]
+    split: str
+    """Which group axis 1 is ("tp", "ep", "etp", or "none")."""
+    unsupported: list[str] = field(default_factory=list)
+    """'name [shape]' of the tensors nccl_m2n cannot carry at all (rank > 3: the audio tower's
+    Conv2d weights); a plan with any does not fit."""
+
+
+def _sizes() -> dict[str, int]:
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return {"world": 1, "tp": 1, "ep": 1, "etp": 1, "pp": 1, "vpp": 1}
+    return {"world": torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
+            "tp": ps.get_tensor_model_parallel_world_size(), "ep": ps.get_expert_model_parallel_world_size(),
+            "etp": ps.get_expert_tensor_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
+            "vpp": ps.get_virtual_pipeline_model_parallel_world_size() or 1}
+
+
+def _check_group(role: str, size: int) -> None:
+    """Axis 1 of the mesh is `rank % size`: the group must be `size` consecutive ranks in order."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    if size == 1 or not dist.is_initialized():
+        return
+    group = {"tp": ps.get_tensor_model_parallel_group, "ep": ps.get_expert_model_parallel_group,
+             "etp": ps.get_expert_tensor_parallel_group}[role]()
+    ranks = dist.get_process_group_ranks(group)
+    base = dist.get_rank() // size * size
+    if ranks != list(range(base, base + size)):
+        raise M2NUnfit(f"the {role.upper()} group of trainer rank {dist.get_rank()} is ranks {ranks}, not "
+                       f"{list(range(base, base + size))}: nccl_m2n's trainer mesh needs megatron-core's default "
+                       "rank order (tensor, then expert parallel fastest)")
+
+
+def _split_size(s: dict[str, int]) -> tuple[str, int]:
+    if s["pp"] > 1 or s["vpp"] > 1:
+        raise M2NUnfit(f"pipeline parallelism (PP={s['pp']}): a stage's layers are held by its ranks only, while "
+                       "vLLM's nccl_m2n reshards every parameter over all trainer ranks (Shard or Replicate on one "
+                       "mesh of them)")
+    tp, ep, etp = s["tp"], s["ep"], s["etp"]
+    if ep > 1 and etp > 1:
+        raise M2NUnfit(f"EP={ep} with ETP={etp}: each expert tensor is split two ways (experts and rows), and "
+                       "nccl_m2n shards a tensor along one mesh axis only")
+    if ep > 1 and tp > 1 and ep != tp:
+        raise M2NUnfit(f"TP={tp} and EP={ep} differ: dense and expert tensors would need two trainer meshes, and "
+                       "nccl_m2n takes one")
+    if etp > 1 and tp > 1 and etp != tp:
+        raise M2NUnfit(f"TP={tp} and ETP={etp} differ: dense and expert tensors would need two trainer meshes")
+    if tp > 1:
+        return "tp", tp
+    if ep > 1:
+        return "ep", ep
+    if etp > 1:
+        return "etp", etp
+    return "none", 1
+
+
+def _cast(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return x.to(dtype) if dtype is not None and x.is_floating_point() and x.dtype != dtype else x
+
+
+def _all_gathered(param: torch.Tensor, shard) -> list[torch.Tensor]:
+    import torch.distributed as dist
+
+    local = param.detach().contiguous()
+    out = [torch.empty_like(local) for _ in range(shard.size)]
+    dist.all_gather(out, local, group=shard.group)
+    return out
+
+
+def _dense_split(mapping, x: torch.Tensor, size: int) -> tuple[dict[str, torch.Tensor], int] | None:
+    """This rank's slice `x` (one of `size`) of a Megatron tensor as slices of its HF tensors (role ->
+    piece) and the HF dim they split, or None when that is not an even split of HF rows/columns."""
+    from model_bridge import transforms as T
+    from model_bridge.mappings import QKV, ColumnParallel, GatedMLP, RowParallel
+
+    if isinstance(mapping, QKV):  # whole KV groups per rank: its q, k, v rows are contiguous HF rows
+        q, k, v = T.split_qkv(x, mapping.num_heads // size, mapping.num_kv_heads // size, mapping.head_dim)
+        return {"q": q, "k": k, "v": v}, 0
+    if isinstance(mapping, GatedMLP):  # [gate_r; up_r]: rows r of gate and of up
+        gate, up = T.split_gate_up(x)
+        return {"gate": gate, "up": up}, 0
+    if isinstance(mapping, ColumnParallel):
+        return {"hf": x}, 0
+    if isinstance(mapping, RowParallel):
+        return {"hf": x}, 1
+    return None
+
+
+def describe(model, spec=None, *, dtype: torch.dtype | None = None, bridge=None) -> M2NPlan:
+    """This rank's nccl_m2n description of `model` (see the module doc); raises `M2NUnfit`. No
+    collectives; the same names, shapes and placements on every rank."""
+    from model_bridge.export import export_tasks
+    from model_bridge.mappings import ExpertStacked, VocabParallel
+    from model_bridge.qwen3_omni import QWEN3_OMNI
+
+    s = _sizes()
+    split, n = _split_size(s)
+    for role, size in (("tp", s["tp"]), ("ep", s["ep"]), ("etp", s["etp"])):
+        _check_group(role, size)
+    if s["world"] % n:
+        raise M2NUnfit(f"world size {s['world']} is not a multiple of the {split.upper()} size {n}")
+    mesh = (s["world"] // n, n)
+    sharded = (REPLICATE, 0), (REPLICATE, 1)  # placements for HF dim 0 / dim 1 along axis 1
+    pieces: list[M2NPiece] = []
+    fused: dict[str, dict[str, Any]] = {}  # EP: fused expert name -> its piece's parts
+
+    unsupported: list[str] = []
+
+    def add(name, shape, placements, local, x_dtype):
+        if len(shape) > MAX_TENSOR_DIMS:
+            unsupported.append(f"{name} {list(shape)}")
+            return
+        pieces.append(M2NPiece(name, dtype if dtype is not None and x_dtype.is_floating_point else x_dtype,
+                               tuple(int(v) for v in shape), placements, local))
+
+    for t in export_tasks(model, spec, bridge=bridge or QWEN3_OMNI):
+        m, sh, p = t.mapping, t.shard, t.param
+        hf_shapes = m.hf_shapes(p.shape, sh)
+        if m.group == "etp" and s["ep"] > 1:  # ETP is 1 here: whole experts, per layer in vLLM's fused form
+            _add_expert(fused, pieces, t)
+            continue
+        if sh.size == 1:  # the whole tensor on every rank (PP is 1): replicated
+            for role, x in m.merge_one(p.detach().contiguous()).items():
+                add(t.hf[role], x.shape, None,
+                    lambda m=m, p=p, role=role: _cast(m.merge_one(p.detach().contiguous())[role], dtype), p.dtype)
+            continue
+        if isinstance(m, VocabParallel):
+            if p.shape[0] * sh.size == m.vocab_size:
+                add(t.hf["hf"], hf_shapes["hf"], sharded[0], lambda p=p: _cast(p.detach(), dtype), p.dtype)
+            else:  # padding rows: uneven HF split, so every rank takes the whole (one TP all-gather)
+                add(t.hf["hf"], hf_shapes["hf"], None,
+                    lambda m=m, p=p, sh=sh: _cast(m.merge(_all_gathered(p, sh))["hf"], dtype), p.dtype)
+            continue
+        inner = m.inner if isinstance(m, ExpertStacked) else m
+        if _dense_split(inner, p.detach()[0] if isinstance(m, ExpertStacked) else p.detach(), sh.size) is None:
+            raise M2NUnfit(f"{t.name}: {m!r} split over {sh.size} ranks is not an even split of its HF tensor(s)")
+        if isinstance(m, ExpertStacked):  # EP 1, ETP > 1: each expert's slices under its own names
+            for e in range(p.shape[0]):
+                parts, dim = _dense_split(inner, p.detach()[e], sh.size)
+                for role in parts:
+                    add(t.hf[f"{role}@{e}"], hf_shapes[f"{role}@{e}"], sharded[dim],
+                        lambda inner=inner, p=p, e=e, role=role, k=sh.size:
+                        _cast(_dense_split(inner, p.detach()[e], k)[0][role], dtype), p.dtype)
+            continue
+        parts, dim = _dense_split(m, p.detach(), sh.size)
+        for role in parts:
+            add(t.hf[role], hf_shapes[role], sharded[dim],
+                lambda m=m, p=p, role=role, k=sh.size: _cast(_dense_split(m, p.detach(), k)[0][role], dtype), p.dtype)
+    for key, e in fused.items():
+        first, per = e["ids"][0], len(e["ids"])
+        if e["ids"] != list(range(first, first + per)) or first % per:
+            raise M2NUnfit(f"{key}: this rank's experts {e['ids'][:4]}... are not one contiguous block of the "
+                           "expert dim, so they are not its even split")
+        e["piece"].shape = (per * n, *e["row"])
+        e["piece"].dtype = dtype if dtype is not None and e["params"][0].is_floating_point() else e["params"][0].dtype
+        e["piece"].local = lambda e=e: _stack(e, dtype)
+    return M2NPlan(mesh, pieces, split, unsupported)
+
+
+def _add_expert(fused: dict, pieces: list, t) -> None:
+    """File one expert parameter (a local expert, or a layer's stacked local experts) under its
+    layer's fused name; the piece takes its place in the order at the layer's first one."""
+    from model_bridge.mappings import ExpertStacked
+
+    stacked = isinstance(t.mapping, ExpertStacked)
+    names = list(t.hf.values())
+    hit = _EXPERT.match(names[0])
+    if hit is None:
+        raise M2NUnfit(f"{t.name}: expert tensor {names[0]!r} is not named '...mlp.experts.N.<gate|up|down>_proj"
+                       ".weight', so it has no fused checkpoint name")
+    key = f"{hit.group('prefix')}.{'down_proj' if hit.group('proj') == 'down' else 'gate_up_proj'}"
+    per_expert = len(t.mapping.pattern_roles) if stacked else len(names)
+    ids = [int(_EXPERT_ID.search(n).group(1)) for n in names[::per_expert]]
+    entry = fused.get(key)
+    if entry is None:
+        entry = fused[key] = {"params": [], "ids": [], "stacked": stacked,
+                              "piece": M2NPiece(key, t.param.dtype, (), (REPLICATE, 0), lambda: None)}
+        pieces.append(entry["piece"])
+    entry["params"].append(t.param)
+    entry["ids"] += ids
+    entry["row"] = tuple(t.param.shape[1:] if stacked else t.param.shape)
+
+
+def _stack(entry: dict, dtype: torch.dtype | None) -> torch.Tensor:
+    """This rank's experts of one layer as one [E_local, ...] tensor (a view for grouped experts)."""
+    params = [q.detach() for q in entry["params"]]
+    if entry["stacked"]:
+        x = params[0] if len(params) == 1 else torch.cat(params)
+    else:
+        x = torch.stack(params)
+    return _cast(x, dtype)
+
+
+def validate(plan: M2NPlan, num_workers: int = 1) -> None:
+    """vLLM's own checks of every piece (m2n_common: dtype, tensor rank, placement codes, even split,
+    source shards into a replicated destination), as its trainer and worker engines run them at
+    init; raises `M2NUnfit` naming the parameter."""
+    from vllm.distributed.weight_transfer.m2n_common import (
+        REPLICATED,
+        M2NMesh,
+        check_plan_limits,
+        check_transferable,
+        resolve_layout,
+        validate_layout,
+    )
+
+    src = M2NMesh(plan.mesh_dims, 0)
+    dst = resolve_layout(M2NMesh((num_workers, 1), plan.mesh_dims[0] * plan.mesh_dims[1]), REPLICATED)
+    for p in plan.pieces:
+        try:
+            check_transferable(p.name, p.dtype, p.shape)
+            layout = resolve_layout(src, p.placements, f"parameter '{p.name}' source placements")
+            validate_layout(*layout, p.shape, "source")
+            check_plan_limits(layout, dst, p.name)
+        except ValueError as e:
+            raise M2NUnfit(f"nccl_m2n refuses parameter '{p.name}' {list(p.shape)} placed {p.placements} on the "
+                           f"trainer mesh {plan.mesh_dims}: {e}") from e
+
+
+def unfit_reason(model, spec=None) -> str | None:
+    """Why this job cannot push through nccl_m2n (None: it can). The same answer on every rank."""
+    try:
+        import nccl.m2n  # noqa: F401 - vLLM's engine imports it at init
+    except ImportError as e:
+        return f"the nccl-extensions package (nccl.m2n) is not importable here: {e}"
+    try:
+        plan = describe(model, spec)
+        validate(plan)
+        if plan.unsupported:
+            raise M2NUnfit(f"nccl_m2n moves tensors of rank 1..{MAX_TENSOR_DIMS} only, and the weight-loading path "
+                           "checks each tensor's shape, so these cannot travel (the audio tower's convolutions): "
+                           + ", ".join(plan.unsupported))
+    except M2NUnfit as e:
+        return str(e)
+    except ImportError as e:
+        return f"vLLM is not importable on the trainer: {e}"
+    return None
+
+
+def make_source(plan: M2NPlan):
+    """`plan` as vLLM's `M2NWeightSource` (what `M2NTrainerWeightTransferEngine.trainer_init` takes)."""
+    from vllm.distributed.weight_transfer.m2n_common import M2NMesh, M2NParamMeta
+    from vllm.distributed.weight_transfer.m2n_source import M2NWeightSource
+
+    class PlanSource(M2NWeightSource):
+        def mesh(self):
+            return M2NMesh(plan.mesh_dims, 0)
+
+        def metadata(self):
+            return [M2NParamMeta(p.name, p.dtype, p.shape, p.placements) for p in plan.pieces]
+
+        def __iter__(self):
+            for p in plan.pieces:
+                yield p.name, p.local()
+
+    return PlanSource()
+
+

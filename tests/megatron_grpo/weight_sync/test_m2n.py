@@ -1,0 +1,155 @@
+"""Our export described for vLLM's nccl_m2n engine (weight_sync/m2n.py), checked with vLLM's own code.
+
+On 2 real gloo ranks with the tiny checkpoint, at EP2, TP2 and TP2xEP2: every rank's description
+(names, dtypes, shapes, placements, mesh) is the same, passes vLLM's validation (m2n_common's
+checks, as its trainer and worker engines run them at init), and the HF tensors rebuilt from all
+ranks' local pieces the way vLLM lays them out (m2n_common.resolve_layout: rank r of mesh (a, b) at
+(r // b, r % b), one axis sharding a tensor dim in rank order, the other replicating) are the gather
+path's tensors bit for bit (vLLM's fused expert tensors split as its MoE loader splits them: gate_up
+halves along the row dim, per expert). Replicas of a piece agree bit for bit. PP2 is refused with
+the reason. Bad descriptions get our error naming the parameter; mode selection says why it falls
+back. The NCCL transfer itself (`push_m2n`) needs 2 GPUs, vLLM and nccl-extensions: not run here.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_bridge.spawn import run_ranks
+
+LAYOUTS = {"EP2": (1, 2, 1, 1), "TP2": (2, 1, 2, 1), "PP2": (1, 1, 1, 2), "TP2xEP2": (2, 2, 1, 1)}
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+
+
+def _described(hf_dir, layouts):
+    """Rank body: per layout, this rank's m2n description + local pieces; rank 0 also the gather
+    path's HF tensors (name -> bytes)."""
+    import torch.distributed as dist
+    from test_multisource import _build
+
+    from megatron_grpo.weight_sync.gather import export_to_rank0
+    from megatron_grpo.weight_sync.m2n import M2NUnfit, describe, validate
+
+    out = {}
+    for tag, layout in layouts.items():
+        model = _build(hf_dir, *layout)
+        try:
+            plan = describe(model)
+            validate(plan, num_workers=2)
+        except M2NUnfit as e:
+            out[tag] = {"unfit": str(e)}
+            sum(1 for _ in export_to_rank0(model))
+            continue
+        pieces = [(p.name, str(p.dtype), p.shape, p.placements, p.local()) for p in plan.pieces]
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, {"mesh": plan.mesh_dims, "split": plan.split, "pieces": pieces,
+                                       "unsupported": plan.unsupported})
+        stream = {n: _bytes(t) for n, t in export_to_rank0(model)}
+        if dist.get_rank() == 0:
+            out[tag] = {"ranks": every, "gather": stream}
+    return out
+
+
+def _rebuild(mesh_dims, placements, locals_by_rank):
+    """The full tensor from every trainer rank's piece, laid out by vLLM's resolve_layout."""
+    from vllm.distributed.weight_transfer.m2n_common import REPLICATE, M2NMesh, resolve_layout
+
+    mesh, codes = resolve_layout(M2NMesh(tuple(mesh_dims), 0), placements)
+    axis = next(a for a, c in enumerate(codes) if c != REPLICATE)
+    parts: dict[int, torch.Tensor] = {}
+    for r, x in enumerate(locals_by_rank):
+        index = (r // mesh.dims[1], r % mesh.dims[1])[axis]
+        if index in parts:  # a replica: the same bytes
+            assert _bytes(parts[index]) == _bytes(x), (placements, r)
+        parts[index] = x
+    assert sorted(parts) == list(range(mesh.dims[axis]))
+    return torch.cat([parts[i] for i in range(mesh.dims[axis])], dim=codes[axis])
+
+
+def _checkpoint_form(name: str, full: torch.Tensor) -> dict[str, torch.Tensor]:
+    """vLLM's fused expert tensors per expert, as its MoE loader reads them (chunk(2) of gate_up)."""
+    if name.endswith(".experts.gate_up_proj"):
+        base = name[: -len("gate_up_proj")]
+        out = {}
+        for e, x in enumerate(full.unbind(0)):
+            gate, up = x.chunk(2, dim=0)
+            out[f"{base}{e}.gate_proj.weight"], out[f"{base}{e}.up_proj.weight"] = gate, up
+        return out
+    if name.endswith(".experts.down_proj"):
+        base = name[: -len("down_proj")]
+        return {f"{base}{e}.down_proj.weight": x for e, x in enumerate(full.unbind(0))}
+    return {name: full}
+
+
+@pytest.fixture(scope="module")
+def described(tiny_ckpt):
+    return run_ranks(_described, 2, str(tiny_ckpt), LAYOUTS, timeout=300)[0]
+
+
+@pytest.mark.parametrize("tag", ["EP2", "TP2", "TP2xEP2"])
+def test_pieces_rebuild_the_gather_paths_tensors_bit_for_bit(described, tag):
+    res = described[tag]
+    assert "unfit" not in res, res
+    ranks, stream = res["ranks"], res["gather"]
+    assert all(r["mesh"] == ranks[0]["mesh"] and [p[:4] for p in r["pieces"]] == [p[:4] for p in ranks[0]["pieces"]]
+               for r in ranks), tag  # one description on every rank
+    mesh = ranks[0]["mesh"]
+    assert mesh == (1, 2) and ranks[0]["split"] == {"EP2": "ep", "TP2": "tp", "TP2xEP2": "tp"}[tag]
+    rebuilt, kinds = {}, {"replicated": 0, "sharded": 0, "fused": 0}
+    for i, (name, dtype, shape, placements, _) in enumerate(ranks[0]["pieces"]):
+        full = _rebuild(mesh, placements, [r["pieces"][i][4] for r in ranks])
+        assert tuple(full.shape) == tuple(shape) and str(full.dtype) == dtype, name
+        kinds["replicated" if placements is None else "sharded"] += 1
+        kinds["fused"] += name.endswith(("gate_up_proj", "down_proj"))
+        for n, x in _checkpoint_form(name, full).items():
+            assert n not in rebuilt, n
+            rebuilt[n] = _bytes(x)
+    # the one thing nccl_m2n cannot carry: the audio tower's 4-D convolution weights
+    unsupported = [u.split(" ")[0] for u in ranks[0]["unsupported"]]
+    assert unsupported == [f"thinker.audio_tower.conv2d{i}.weight" for i in (1, 2, 3)], ranks[0]["unsupported"]
+    assert all(r["unsupported"] == ranks[0]["unsupported"] for r in ranks)
+    assert sorted(rebuilt) == sorted(set(stream) - set(unsupported)), (tag, sorted(set(rebuilt) ^ set(stream))[:5])
+    assert [n for n in rebuilt if rebuilt[n] != stream[n]] == [], tag
+    assert kinds["sharded"] > 0 and kinds["replicated"] > 0, kinds
+    assert (kinds["fused"] > 0) == (tag != "TP2"), kinds  # EP: one fused gate_up and down per layer
+
+
+def test_pipeline_parallel_is_refused_with_the_reason(described):
+    assert described["PP2"]["unfit"].startswith("pipeline parallelism (PP=2): a stage's layers are held by its "
+                                                 "ranks only")
+
+
+def test_vllm_checks_name_the_parameter():
+    from megatron_grpo.weight_sync.m2n import M2NPiece, M2NPlan, M2NUnfit, validate
+
+    def plan(shape, placements=(-1, 0), dtype=torch.float32, mesh=(1, 2)):
+        return M2NPlan(mesh, [M2NPiece("thinker.model.norm.weight", dtype, shape, placements, lambda: None)], "tp")
+
+    validate(plan((8, 4)))
+    with pytest.raises(M2NUnfit, match=r"parameter 'thinker.model.norm.weight' \[7, 4\] placed \(-1, 0\) on the "
+                                       r"trainer mesh \(1, 2\): source layout shards dim 0 \(size 7\) over 2 ranks"):
+        validate(plan((7, 4)))
+    with pytest.raises(M2NUnfit, match="nccl_m2n needs one REPLICATE mesh axis"):
+        validate(plan((8, 4), (0, 1), mesh=(2, 2)))
+    with pytest.raises(M2NUnfit, match="has dtype torch.complex64, which nccl_m2n does not support"):
+        validate(plan((8,), dtype=torch.complex64))
+    with pytest.raises(M2NUnfit, match="has rank 4; nccl_m2n supports rank 1..3"):
+        validate(plan((2, 2, 2, 2)))
+    with pytest.raises(M2NUnfit, match="would feed 32 source shards into one replicated destination"):
+        validate(plan((64, 4), mesh=(1, 32)))
+
+
+def test_layouts_that_do_not_fit_say_why():
+    from megatron_grpo.weight_sync.m2n import M2NUnfit, _split_size
+
+    base = {"world": 8, "tp": 1, "ep": 1, "etp": 1, "pp": 1, "vpp": 1}
+    assert _split_size(base) == ("none", 1)
+    assert _split_size({**base, "tp": 2, "ep": 2}) == ("tp", 2) and _split_size({**base, "ep": 4}) == ("ep", 4)
+    assert _split_size({**base, "tp": 4, "etp": 4}) == ("tp", 4)
+    for bad, why in (({"tp": 2, "ep": 4}, "TP=2 and EP=4 differ"), ({"ep": 2, "etp": 2}, "EP=2 with ETP=2"),
+                     ({"tp": 2, "etp": 4}, "TP=2 and ETP=4 differ"), ({"pp": 2}, r"pipeline parallelism \(PP=2\)")):
+        with pytest.raises(M2NUnfit, match=why):
+            _split_size({**base, **bad})
