@@ -334,3 +334,206 @@ def make_source(plan: M2NPlan):
     return PlanSource()
 
 
+# ------------------------------------------------------------------------------------------------ push
+# server index -> vLLM's trainer engine of this (non-zero) rank; rank 0 keeps its own in the
+# receivers' `M2NLink`s
+_ENGINES: dict[int, Any] = {}
+
+
+class M2NLink:
+    """`WeightReceiver` transport for a server started with ``--weight-transfer-config
+    '{"backend": "nccl_m2n"}'``: holds rank 0's vLLM trainer engine for that server. Pushes go
+    through `push_m2n` (every trainer rank), never through `push.push`."""
+
+    backend = "nccl_m2n"
+
+    def __init__(self, master_address: str = "127.0.0.1"):
+        self.master_address = master_address
+        self.engine = None
+        self.names: list[str] = []
+        """The parameters the engine announced at init (a new list needs a new engine)."""
+        self.sender_ranks = [0]
+
+    @property
+    def connected(self) -> bool:
+        return self.engine is not None
+
+    def prepare(self, world_size: int) -> dict:
+        raise NotImplementedError("an nccl_m2n server takes pushes from every trainer rank: use "
+                                  "weight_sync.m2n.push_m2n (weight_sync.mode multisource), not push()")
+
+    def close(self) -> None:
+        engine, self.engine = self.engine, None
+        _shutdown(engine)
+
+
+def _shutdown(engine) -> None:
+    if engine is not None:
+        try:
+            engine.shutdown()
+        except Exception:  # noqa: BLE001 - dropping it anyway
+            pass
+
+
+class _ControlPlane:
+    """vLLM's `VLLMWeightSyncClient` for rank 0's engine: init and `/update_weights` go to the server;
+    start and finish are `PushSteps`' (every server started before the transfers, finished with the
+    version after all of them)."""
+
+    def __init__(self, receiver):
+        self.receiver = receiver
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.receiver._call("POST", "init_weight_transfer_engine", json={"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        pass
+
+    def update_weights(self, update_info) -> None:
+        self.receiver._call("POST", "update_weights", json={"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        pass
+
+
+def _bcast(obj=None):
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _engine(info: dict, rank: int, num_trainer_ranks: int, client, source):
+    from vllm.distributed.weight_transfer.m2n_trainer import M2NTrainerInitInfo, M2NTrainerWeightTransferEngine
+
+    init = M2NTrainerInitInfo(rank=rank, world_size=info["world_size"], num_trainer_ranks=num_trainer_ranks,
+                              master_address=info["master_address"], master_port=info["master_port"])
+    return M2NTrainerWeightTransferEngine.trainer_init(init, client=client, source=source)
+
+
+def push_m2n(model, version: int | str, servers: list | None, *, dtype: torch.dtype | None = None,
+             pause_mode: str = "abort", spec=None):
+    """Push `model` (this rank's part) to `servers` (rank 0's `WeightReceiver`s with backend
+    "nccl_m2n"; ignored elsewhere) as `version` through vLLM's nccl_m2n engine. Every rank of the
+    default group calls it. Returns `PushStats` on rank 0, None elsewhere; raises `WeightPushError`
+    on every rank when the push failed, `ValueError` on every rank when it cannot start (no nccl_m2n
+    receivers, a job that does not fit: `unfit_reason`).
+
+    Hangs vLLM's engine cannot turn into errors: a server that refuses the init after the other
+    trainer ranks began to join, or a rank that dies inside a reshard, leaves the others in NCCL
+    until its timeout (the step watchdog names it)."""
+    import torch.distributed as dist
+
+    from megatron_grpo.weight_sync.push import PAUSE_MODES
+
+    if pause_mode not in PAUSE_MODES:
+        raise ValueError(f"pause_mode must be one of {PAUSE_MODES}, got {pause_mode!r}")
+    plan = describe(model, spec, dtype=dtype)
+    source = make_source(plan)
+    if dist.get_rank() == 0:
+        return _drive(plan, source, str(version), servers or [], pause_mode)
+    _follow(source, str(version))
+    return None
+
+
+def _drive(plan: M2NPlan, source, version: str, servers: list, pause_mode: str):
+    import torch.distributed as dist
+
+    from megatron_grpo.weight_sync.push import PushStats, PushSteps, WeightPushError
+    from model_bridge.spawn import free_port
+
+    bad = None
+    if not servers:
+        bad = "push_m2n needs at least one WeightReceiver on rank 0"
+    elif any(s.backend != "nccl_m2n" for s in servers):
+        bad = f"push_m2n needs nccl_m2n receivers: {[s.url for s in servers if s.backend != 'nccl_m2n']}"
+    elif plan.unsupported:
+        bad = f"nccl_m2n cannot carry {', '.join(plan.unsupported)} (rank > {MAX_TENSOR_DIMS})"
+    if bad is not None:
+        _bcast({"refuse": bad})
+        raise ValueError(bad)
+    names = [p.name for p in plan.pieces]
+    stats = PushStats(version=version, servers=len(servers))
+    steps = PushSteps(servers, stats)
+    go = False
+    try:
+        for i, s in enumerate(servers):
+            if s.transport.engine is not None and s.transport.names == names:
+                continue
+            s.transport.close()
+            steps.current = s
+            info = {"connect": i, "master_address": s.transport.master_address,
+                    "master_port": free_port(s.transport.master_address),
+                    "world_size": dist.get_world_size() + s.world_size()}
+            _bcast(info)
+            s.transport.engine = _engine(info, 0, dist.get_world_size(), _ControlPlane(s), source)
+            s.transport.names = names
+        steps.pause_and_start(pause_mode)
+        go = True
+        _bcast({"go": len(servers)})
+        for s in servers:
+            steps.current = s
+            s.transport.engine.source = source
+            s.transport.engine.send_weights()
+            stats.buckets += 1
+            stats.tensors += len(plan.pieces)
+            stats.bytes += sum(torch.Size(p.shape).numel() * p.dtype.itemsize for p in plan.pieces)
+        steps.finish_and_resume(version)
+    except BaseException as exc:
+        stage, current = steps.stage, steps.current
+        if not go:
+            _bcast({"error": f"trainer rank 0 failed at {stage}: {type(exc).__name__}: {exc}", "stage": stage})
+        states = steps.recover(version)
+        for s in servers:  # the other ranks drop theirs too: everyone reconnects next time
+            s.transport.close()
+        who = current.url if current is not None else "the trainer"
+        msg = (f"nccl_m2n weight push of version {version!r} failed at {stage} on {who}: {type(exc).__name__}: "
+               f"{exc}\nserver states after recovery:\n" + "\n".join(f"  {u}: {st}" for u, st in states.items()))
+        m = re.search(r"trainer rank (\d+)", str(exc))
+        rank = int(m.group(1)) if m else None
+        if go:
+            try:
+                _bcast({"ok": False, "error": msg, "stage": stage, "states": states, "rank": rank})
+            except Exception:  # noqa: BLE001 - a dead rank: the error raised here says what happened
+                pass
+        if isinstance(exc, Exception):
+            raise WeightPushError(msg, server=current.url if current else None, version=version, stage=stage,
+                                  states=states, rank=rank) from exc
+        raise
+    _bcast({"ok": True})
+    return stats
+
+
+def _follow(source, version: str) -> None:
+    import torch.distributed as dist
+
+    from megatron_grpo.weight_sync.push import WeightPushError
+
+    while True:
+        msg = _bcast()
+        if "refuse" in msg:
+            raise ValueError(f"(from trainer rank 0) {msg['refuse']}")
+        if "error" in msg:
+            _drop_engines()
+            raise WeightPushError(f"(from trainer rank 0) {msg['error']}", server=None, version=version,
+                                  stage=msg["stage"], states={})
+        if "connect" in msg:
+            _shutdown(_ENGINES.pop(msg["connect"], None))
+            _ENGINES[msg["connect"]] = _engine(msg, dist.get_rank(), dist.get_world_size(), None, source)
+            continue
+        break
+    for i in range(msg["go"]):
+        _ENGINES[i].source = source
+        _ENGINES[i].send_weights()
+    result = _bcast()
+    if not result.get("ok"):
+        _drop_engines()
+        raise WeightPushError(f"(from trainer rank 0) {result['error']}", server=None, version=version,
+                              stage=result.get("stage", "?"), states=result.get("states", {}),
+                              rank=result.get("rank"))
+
+
+def _drop_engines() -> None:
+    for i in list(_ENGINES):
+        _shutdown(_ENGINES.pop(i))

@@ -32,7 +32,7 @@ leaves them waiting for the transfer timeout (the gloo group has no earlier way 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -59,9 +59,12 @@ _GROUPS: dict[int, tuple[Any, Any, int]] = {}
 _FALLBACK_SAID: set[str] = set()
 
 
-def resolve_mode(mode: str, backend: str | None = None, world_size: int | None = None) -> str:
-    """`weight_sync.mode` -> "gather" or "multisource" for this job, the same on every rank (from
-    the machine's default data plane, `push.default_backend`, and the world size). An explicit
+def resolve_mode(mode: str, backend: str | None = None, world_size: int | None = None,
+                 m2n_unfit: Callable[[], str | None] | None = None) -> str:
+    """`weight_sync.mode` -> "gather", "multisource" (gloo servers, `push_multisource`) or "m2n"
+    (nccl_m2n servers, `m2n.push_m2n`) for this job, the same on every rank: from the servers' data
+    plane (`backend`, default `push.default_backend`), the world size and, for nccl_m2n servers,
+    `m2n_unfit()` (`m2n.unfit_reason` for the model: None when the job fits vLLM's contract). A
     multisource that cannot run here falls back to gather and says why, once."""
     from megatron_grpo.weight_sync.push import default_backend
 
@@ -74,12 +77,20 @@ def resolve_mode(mode: str, backend: str | None = None, world_size: int | None =
         return "gather"  # one rank owns every shard: the same bytes from the same place
     if backend == "gloo":
         return "multisource"
-    if mode == "multisource" and backend not in _FALLBACK_SAID:
+    if backend == "nccl_m2n":
+        why = m2n_unfit() if m2n_unfit is not None else "no model was given to check against its contract"
+        if why is None:
+            return "m2n"
+        why, say = f"this job does not fit vLLM's nccl_m2n engine: {why}", True
+    else:
+        why = ("the servers run vLLM's dense nccl engine; on GPU the multi-source push goes through vLLM's "
+               "nccl_m2n engine (servers started with --weight-transfer nccl_m2n, which needs the "
+               "nccl-extensions package)")
+        say = mode == "multisource"
+    if say and backend not in _FALLBACK_SAID:
         _FALLBACK_SAID.add(backend)
         if not dist.is_initialized() or dist.get_rank() == 0:
-            print(f"[weight_sync] mode=multisource falls back to gather on the {backend} data plane: vLLM's "
-                  "nccl_m2n many-to-many engine is not wired to our export yet (multisource runs on gloo "
-                  "servers)", flush=True)
+            print(f"[weight_sync] mode={mode} falls back to gather on the {backend} data plane: {why}", flush=True)
     return "gather"
 
 
@@ -167,8 +178,8 @@ def _drive(servers, version, mine, metas, senders, pause_mode, st) -> PushStats:
     if not servers:
         bad = "push_multisource needs at least one WeightReceiver on rank 0"
     elif any(s.backend != "gloo" for s in servers):
-        bad = (f"weight_sync.mode=multisource needs gloo receivers (CPU servers; vLLM's nccl_m2n is not wired "
-               f"yet): {[s.url for s in servers if s.backend != 'gloo']}")
+        bad = (f"push_multisource needs gloo receivers (CPU servers; nccl_m2n servers take weight_sync.m2n."
+               f"push_m2n): {[s.url for s in servers if s.backend != 'gloo']}")
     if bad is not None:  # the other ranks wait in the broadcasts below: release them, then raise everywhere
         _bcast({"n": 0, "need": []})
         _bcast({"error": bad})

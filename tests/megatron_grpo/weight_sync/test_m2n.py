@@ -31,7 +31,7 @@ def _described(hf_dir, layouts):
     from test_multisource import _build
 
     from megatron_grpo.weight_sync.gather import export_to_rank0
-    from megatron_grpo.weight_sync.m2n import M2NUnfit, describe, validate
+    from megatron_grpo.weight_sync.m2n import M2NUnfit, describe, push_m2n, validate
 
     out = {}
     for tag, layout in layouts.items():
@@ -48,9 +48,49 @@ def _described(hf_dir, layouts):
         dist.all_gather_object(every, {"mesh": plan.mesh_dims, "split": plan.split, "pieces": pieces,
                                        "unsupported": plan.unsupported})
         stream = {n: _bytes(t) for n, t in export_to_rank0(model)}
+        handshake = _handshake(plan)  # iterates the source: collective (the padded vocab's all-gather)
         if dist.get_rank() == 0:
-            out[tag] = {"ranks": every, "gather": stream}
+            out[tag] = {"ranks": every, "gather": stream, "handshake": handshake}
+    from megatron_grpo.weight_sync import WeightReceiver
+
+    out["refused"] = []  # rank 0 without (nccl_m2n) receivers: every rank refuses, none waits in a collective
+    for servers in ([], [WeightReceiver("http://127.0.0.1:9", backend="nccl")]):
+        try:
+            push_m2n(model, 1, servers if dist.get_rank() == 0 else None)
+        except ValueError as e:
+            out["refused"].append(str(e))
     return out
+
+
+def _handshake(plan):
+    """What vLLM's trainer engine sends the workers at init (its own `_worker_init_info` over our
+    source), through JSON, parsed by the worker's init-info class; the worker's per-parameter
+    checks on it (its `init_transfer_engine` runs them after importing nccl.m2n)."""
+    import json
+
+    from vllm.distributed.weight_transfer.m2n_common import M2NMesh, resolve_layout, validate_layout
+    from vllm.distributed.weight_transfer.m2n_engine import M2NWeightTransferInitInfo
+    from vllm.distributed.weight_transfer.m2n_source import M2NWeightSource
+    from vllm.distributed.weight_transfer.m2n_trainer import M2NTrainerInitInfo, M2NTrainerWeightTransferEngine
+
+    source = make_source(plan)
+    assert isinstance(source, M2NWeightSource)
+    metas = source.metadata()
+    assert [n for n, _ in source] == [m.name for m in metas]
+    engine = M2NTrainerWeightTransferEngine(client=None, source=source, is_controller=True, num_trainer_ranks=2)
+    engine._src_mesh, engine._metas = source.mesh(), metas
+    init = M2NTrainerInitInfo(rank=0, world_size=4, num_trainer_ranks=2, master_address="127.0.0.1",
+                              master_port=29999)
+    info = M2NWeightTransferInitInfo(**json.loads(json.dumps(engine._worker_init_info(init))))
+    src = M2NMesh(tuple(info.src_mesh_dims), 0)
+    for name, dt, shape, placements in zip(info.names, info.dtype_names, info.shapes, info.src_placements):
+        codes = None if placements is None else tuple(placements)
+        validate_layout(*resolve_layout(src, codes, name), shape, "source")
+        assert isinstance(getattr(torch, dt), torch.dtype)
+    return {"params": len(info.names), "src_mesh": info.src_mesh_dims, "dst_mesh": info.dst_mesh_dims}
+
+
+from megatron_grpo.weight_sync.m2n import make_source  # noqa: E402 - used by the rank bodies
 
 
 def _rebuild(mesh_dims, placements, locals_by_rank):
@@ -85,8 +125,13 @@ def _checkpoint_form(name: str, full: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def described(tiny_ckpt):
-    return run_ranks(_described, 2, str(tiny_ckpt), LAYOUTS, timeout=300)[0]
+def described_ranks(tiny_ckpt):
+    return run_ranks(_described, 2, str(tiny_ckpt), LAYOUTS, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def described(described_ranks):
+    return described_ranks[0]
 
 
 @pytest.mark.parametrize("tag", ["EP2", "TP2", "TP2xEP2"])
@@ -115,6 +160,14 @@ def test_pieces_rebuild_the_gather_paths_tensors_bit_for_bit(described, tag):
     assert [n for n in rebuilt if rebuilt[n] != stream[n]] == [], tag
     assert kinds["sharded"] > 0 and kinds["replicated"] > 0, kinds
     assert (kinds["fused"] > 0) == (tag != "TP2"), kinds  # EP: one fused gate_up and down per layer
+    assert res["handshake"] == {"params": len(ranks[0]["pieces"]), "src_mesh": [1, 2], "dst_mesh": [2, 1]}
+
+
+def test_push_without_nccl_m2n_receivers_is_refused_on_every_rank(described_ranks):
+    why = ["push_m2n needs at least one WeightReceiver on rank 0",
+           "push_m2n needs nccl_m2n receivers: ['http://127.0.0.1:9']"]
+    assert described_ranks[0]["refused"] == why
+    assert described_ranks[1]["refused"] == [f"(from trainer rank 0) {w}" for w in why]
 
 
 def test_pipeline_parallel_is_refused_with_the_reason(described):
@@ -153,3 +206,25 @@ def test_layouts_that_do_not_fit_say_why():
                      ({"tp": 2, "etp": 4}, "TP=2 and ETP=4 differ"), ({"pp": 2}, r"pipeline parallelism \(PP=2\)")):
         with pytest.raises(M2NUnfit, match=why):
             _split_size({**base, **bad})
+
+
+def test_mode_selects_m2n_only_on_nccl_m2n_servers_and_a_fitting_job(capsys):
+    from megatron_grpo.weight_sync import multisource
+    from megatron_grpo.weight_sync.multisource import resolve_mode
+
+    multisource._FALLBACK_SAID.clear()
+    assert resolve_mode("auto", "nccl_m2n", 4, m2n_unfit=lambda: None) == "m2n"
+    assert resolve_mode("multisource", "nccl_m2n", 4, m2n_unfit=lambda: None) == "m2n"
+    assert resolve_mode("gather", "nccl_m2n", 4, m2n_unfit=lambda: None) == "gather"
+    assert capsys.readouterr().out == ""
+    why = "pipeline parallelism (PP=2): ..."
+    assert resolve_mode("auto", "nccl_m2n", 4, m2n_unfit=lambda: why) == "gather"
+    assert resolve_mode("multisource", "nccl_m2n", 4, m2n_unfit=lambda: why) == "gather"
+    assert capsys.readouterr().out == ("[weight_sync] mode=auto falls back to gather on the nccl_m2n data plane: this "
+                                       f"job does not fit vLLM's nccl_m2n engine: {why}\n")
+    assert resolve_mode("multisource", "nccl", 4) == "gather"
+    assert capsys.readouterr().out == (
+        "[weight_sync] mode=multisource falls back to gather on the nccl data plane: the servers run vLLM's dense "
+        "nccl engine; on GPU the multi-source push goes through vLLM's nccl_m2n engine (servers started with "
+        "--weight-transfer nccl_m2n, which needs the nccl-extensions package)\n")
+    multisource._FALLBACK_SAID.clear()
