@@ -39,6 +39,8 @@ a partial update (named in the error), never resumed on a mix. Needs CUDA, vLLM 
 """
 from __future__ import annotations
 
+import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -76,9 +78,10 @@ class M2NPlan:
     pieces: list[M2NPiece]
     split: str
     """Which group axis 1 is ("tp", "ep", "etp", or "none")."""
-    unsupported: list[str] = field(default_factory=list)
-    """'name [shape]' of the tensors nccl_m2n cannot carry at all (rank > 3: the audio tower's
-    Conv2d weights); a plan with any does not fit."""
+    flattened: dict[str, list[int]] = field(default_factory=dict)
+    """Tensors of rank > 3 (the audio tower's Conv2d weights), which nccl_m2n cannot carry: sent
+    with their trailing dims merged (rank 3), name -> the real shape, which the servers' worker
+    extension restores (`rollout.vllm_ext.WorkerExtension.mgrpo_unflatten_on_load`)."""
 
 
 def _sizes() -> dict[str, int]:
@@ -132,6 +135,10 @@ def _split_size(s: dict[str, int]) -> tuple[str, int]:
     return "none", 1
 
 
+def _reshaped(local: Callable[[], torch.Tensor], shape) -> Callable[[], torch.Tensor]:
+    return lambda: local().reshape(shape)
+
+
 def _cast(x: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return x.to(dtype) if dtype is not None and x.is_floating_point() and x.dtype != dtype else x
 
@@ -182,12 +189,16 @@ def describe(model, spec=None, *, dtype: torch.dtype | None = None, bridge=None)
     pieces: list[M2NPiece] = []
     fused: dict[str, dict[str, Any]] = {}  # EP: fused expert name -> its piece's parts
 
-    unsupported: list[str] = []
+    flattened: dict[str, list[int]] = {}
 
     def add(name, shape, placements, local, x_dtype):
         if len(shape) > MAX_TENSOR_DIMS:
-            unsupported.append(f"{name} {list(shape)}")
-            return
+            if placements is not None and placements[1] >= MAX_TENSOR_DIMS - 1:
+                raise M2NUnfit(f"{name} {list(shape)}: split along dim {placements[1]}, which merging its trailing "
+                               f"dims into rank {MAX_TENSOR_DIMS} would break")
+            flattened[name] = [int(v) for v in shape]
+            shape = (*shape[:MAX_TENSOR_DIMS - 1], math.prod(shape[MAX_TENSOR_DIMS - 1:]))
+            local = _reshaped(local, shape)
         pieces.append(M2NPiece(name, dtype if dtype is not None and x_dtype.is_floating_point else x_dtype,
                                tuple(int(v) for v in shape), placements, local))
 
@@ -232,7 +243,7 @@ def describe(model, spec=None, *, dtype: torch.dtype | None = None, bridge=None)
         e["piece"].shape = (per * n, *e["row"])
         e["piece"].dtype = dtype if dtype is not None and e["params"][0].is_floating_point() else e["params"][0].dtype
         e["piece"].local = lambda e=e: _stack(e, dtype)
-    return M2NPlan(mesh, pieces, split, unsupported)
+    return M2NPlan(mesh, pieces, split, flattened)
 
 
 def _add_expert(fused: dict, pieces: list, t) -> None:
@@ -302,12 +313,7 @@ def unfit_reason(model, spec=None) -> str | None:
     except ImportError as e:
         return f"the nccl-extensions package (nccl.m2n) is not importable here: {e}"
     try:
-        plan = describe(model, spec)
-        validate(plan)
-        if plan.unsupported:
-            raise M2NUnfit(f"nccl_m2n moves tensors of rank 1..{MAX_TENSOR_DIMS} only, and the weight-loading path "
-                           "checks each tensor's shape, so these cannot travel (the audio tower's convolutions): "
-                           + ", ".join(plan.unsupported))
+        validate(describe(model, spec))
     except M2NUnfit as e:
         return str(e)
     except ImportError as e:
@@ -448,8 +454,6 @@ def _drive(plan: M2NPlan, source, version: str, servers: list, pause_mode: str):
         bad = "push_m2n needs at least one WeightReceiver on rank 0"
     elif any(s.backend != "nccl_m2n" for s in servers):
         bad = f"push_m2n needs nccl_m2n receivers: {[s.url for s in servers if s.backend != 'nccl_m2n']}"
-    elif plan.unsupported:
-        bad = f"nccl_m2n cannot carry {', '.join(plan.unsupported)} (rank > {MAX_TENSOR_DIMS})"
     if bad is not None:
         _bcast({"refuse": bad})
         raise ValueError(bad)
@@ -466,6 +470,9 @@ def _drive(plan: M2NPlan, source, version: str, servers: list, pause_mode: str):
             info = {"connect": i, "master_address": s.transport.master_address,
                     "master_port": free_port(s.transport.master_address),
                     "world_size": dist.get_world_size() + s.world_size()}
+            if plan.flattened:  # before the worker engine exists: nothing is loaded yet
+                s._call("POST", "collective_rpc", json={"method": "mgrpo_unflatten_on_load",
+                                                        "args": [json.dumps(plan.flattened)]})
             _bcast(info)
             s.transport.engine = _engine(info, 0, dist.get_world_size(), _ControlPlane(s), source)
             s.transport.names = names

@@ -46,7 +46,7 @@ def _described(hf_dir, layouts):
         pieces = [(p.name, str(p.dtype), p.shape, p.placements, p.local()) for p in plan.pieces]
         every: list = [None] * dist.get_world_size()
         dist.all_gather_object(every, {"mesh": plan.mesh_dims, "split": plan.split, "pieces": pieces,
-                                       "unsupported": plan.unsupported})
+                                       "flattened": plan.flattened})
         stream = {n: _bytes(t) for n, t in export_to_rank0(model)}
         handshake = _handshake(plan)  # iterates the source: collective (the padded vocab's all-gather)
         if dist.get_rank() == 0:
@@ -146,17 +146,18 @@ def test_pieces_rebuild_the_gather_paths_tensors_bit_for_bit(described, tag):
     rebuilt, kinds = {}, {"replicated": 0, "sharded": 0, "fused": 0}
     for i, (name, dtype, shape, placements, _) in enumerate(ranks[0]["pieces"]):
         full = _rebuild(mesh, placements, [r["pieces"][i][4] for r in ranks])
-        assert tuple(full.shape) == tuple(shape) and str(full.dtype) == dtype, name
+        assert tuple(full.shape) == tuple(shape) and str(full.dtype) == dtype and len(shape) <= 3, name
         kinds["replicated" if placements is None else "sharded"] += 1
         kinds["fused"] += name.endswith(("gate_up_proj", "down_proj"))
+        if name in ranks[0]["flattened"]:  # the servers' worker extension views it back
+            full = full.view(ranks[0]["flattened"][name])
         for n, x in _checkpoint_form(name, full).items():
             assert n not in rebuilt, n
             rebuilt[n] = _bytes(x)
-    # the one thing nccl_m2n cannot carry: the audio tower's 4-D convolution weights
-    unsupported = [u.split(" ")[0] for u in ranks[0]["unsupported"]]
-    assert unsupported == [f"thinker.audio_tower.conv2d{i}.weight" for i in (1, 2, 3)], ranks[0]["unsupported"]
-    assert all(r["unsupported"] == ranks[0]["unsupported"] for r in ranks)
-    assert sorted(rebuilt) == sorted(set(stream) - set(unsupported)), (tag, sorted(set(rebuilt) ^ set(stream))[:5])
+    # the audio tower's 4-D convolutions travel with their trailing dims merged (nccl_m2n: rank <= 3)
+    assert sorted(ranks[0]["flattened"]) == [f"thinker.audio_tower.conv2d{i}.weight" for i in (1, 2, 3)]
+    assert all(r["flattened"] == ranks[0]["flattened"] for r in ranks)
+    assert sorted(rebuilt) == sorted(stream), (tag, sorted(set(rebuilt) ^ set(stream))[:5])
     assert [n for n in rebuilt if rebuilt[n] != stream[n]] == [], tag
     assert kinds["sharded"] > 0 and kinds["replicated"] > 0, kinds
     assert (kinds["fused"] > 0) == (tag != "TP2"), kinds  # EP: one fused gate_up and down per layer
@@ -228,3 +229,76 @@ def test_mode_selects_m2n_only_on_nccl_m2n_servers_and_a_fitting_job(capsys):
         "nccl engine; on GPU the multi-source push goes through vLLM's nccl_m2n engine (servers started with "
         "--weight-transfer nccl_m2n, which needs the nccl-extensions package)\n")
     multisource._FALLBACK_SAID.clear()
+
+
+def _m2n_form(weights: dict[str, torch.Tensor]) -> tuple[list, dict[str, list[int]]]:
+    """Checkpoint tensors in the form `describe` sends them: a layer's experts as vLLM's fused
+    gate_up_proj [E, 2I, H] / down_proj [E, H, I], rank-4 tensors with their trailing dims merged."""
+    import re
+
+    out, flat, experts = [], {}, {}
+    for n, t in weights.items():
+        m = re.match(r"(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$", n)
+        if m:
+            experts.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = t
+        elif t.dim() > 3:
+            flat[n] = list(t.shape)
+            out.append((n, t.reshape(*t.shape[:2], -1)))
+        else:
+            out.append((n, t))
+    for prefix, parts in experts.items():
+        n = 1 + max(e for e, _ in parts)
+        out.append((f"{prefix}.gate_up_proj", torch.stack([torch.cat([parts[e, "gate"], parts[e, "up"]]) for e in range(n)])))
+        out.append((f"{prefix}.down_proj", torch.stack([parts[e, "down"] for e in range(n)])))
+    return out, flat
+
+
+@pytest.mark.slow  # ~15 s with the session server up (three pushes of the tiny model)
+def test_vllm_server_loads_the_m2n_forms_as_the_checkpoint_forms(vllm_server, tiny_ckpt):
+    """What an nccl_m2n worker does with our pieces, on the real vLLM CPU server: every Qwen3-Omni
+    parameter takes vLLM's fallback (full tensor -> `load_weights`), so loading the m2n forms (fused
+    experts, flattened convolutions through `mgrpo_unflatten_on_load`) must leave every server
+    parameter equal, bit for bit (vLLM's /weight_checker checksums), to loading the checkpoint forms."""
+    import json
+    import zlib
+
+    import requests
+    from conftest import checkpoint_weights, restore_checkpoint_weights
+
+    from megatron_grpo.weight_sync import WeightReceiver, push
+
+    url = vllm_server.url
+
+    def checksums():
+        r = requests.post(f"{url}/weight_checker", json={"action": "checksum"}, timeout=120)
+        assert r.status_code == 200, r.text[:500]
+        return r.json()["checksums"]
+
+    def rpc(method, *args):
+        r = requests.post(f"{url}/collective_rpc", json={"method": method, "args": list(args)}, timeout=60)
+        assert r.status_code == 200, r.text[:500]
+        return r.json()
+
+    weights = {}
+    for n, t in checkpoint_weights(tiny_ckpt):
+        g = torch.Generator().manual_seed(zlib.crc32(n.encode()))
+        weights[n] = t + 0.3 * t.float().std().nan_to_num() * torch.randn(t.shape, generator=g).to(t.dtype) \
+            if t.is_floating_point() and t.numel() > 1 else t
+    m2n_form, flat = _m2n_form(weights)
+    assert sorted(flat) == [f"thinker.audio_tower.conv2d{i}.weight" for i in (1, 2, 3)]
+    rx = WeightReceiver(url, backend="gloo", transfer_timeout_s=120)
+    try:
+        before = checksums()
+        assert rpc("mgrpo_unflatten_on_load", json.dumps(flat))["results"] == [{"unflattened": 3}]
+        push(m2n_form, "m2n-form", [rx])
+        via_m2n = checksums()
+        assert rpc("mgrpo_unflatten_on_load", "{}")["results"] == [{"unflattened": 0}]
+        push(weights.items(), "checkpoint-form", [rx])
+        via_checkpoint = checksums()
+    finally:
+        rx.close()
+        rpc("mgrpo_unflatten_on_load", "{}")
+        restore_checkpoint_weights(vllm_server)
+    changed = [k for k in before if before[k] != via_checkpoint[k]]
+    assert any("experts" in k for k in changed) and any("conv2d1" in k for k in changed), changed[:5]
+    assert via_m2n == via_checkpoint, [k for k in via_m2n if via_m2n[k] != via_checkpoint.get(k)][:5]
