@@ -20,22 +20,30 @@ EP the experts of one layer travel as vLLM's fused checkpoint tensors
 `...mlp.experts.gate_up_proj` [E, 2I, H] and `...mlp.experts.down_proj` [E, H, I], split along the
 expert dim (vLLM's MoE loader takes both forms). A padded vocab-parallel embedding / output layer
 (HF vocab not a multiple of 128 x TP) cannot be split evenly in HF rows: it is all-gathered in the
-TP group and sent as replicated. Jobs that do not fit raise `M2NUnfit` with the reason:
+TP group and sent as replicated. The audio tower's Conv2d weights are 4-D, past m2n's rank limit of
+3: they travel with their trailing dims merged, and our worker extension on the servers views them
+back before loading (`rollout.vllm_ext.WorkerExtension.mgrpo_unflatten_on_load`, called by rank 0
+before the engine's init). Every Qwen3-Omni parameter takes vLLM's fallback destination (its
+checkpoint names are not vLLM's parameter names): every worker receives the full tensor and
+`load_weights` shards it, as with the dense nccl engine; what m2n spreads is the trainer's side.
+Jobs that do not fit raise `M2NUnfit` with the reason:
 
 * pipeline parallelism (a stage's layers are on its ranks only; a reshard spans all trainer ranks);
 * TP and EP both > 1 and unequal, or ETP > 1 with EP > 1, or ETP != TP (two split sizes, one mesh);
 * a process-group layout other than megatron-core's default order (groups not contiguous ranks);
-* a parameter past vLLM's own checks (`validate`: dtype, rank <= 3, even split, at most 16 source
-  shards into a replicated destination, which every Qwen3-Omni parameter is: its checkpoint names
-  are not vLLM's parameter names, so every worker receives the full tensor and `load_weights`).
+* a piece past vLLM's own checks (`validate`: dtype, even split, and at most 16 source shards into
+  a replicated destination, so a split size (TP or EP) of at most 16).
 
 `push_m2n` drives vLLM's engine on every trainer rank (collective over the default group) with rank
 0 alone on the HTTP control plane, as `multisource.push_multisource` does: pause, start, the
 reshards (the engine's `/update_weights` runs concurrently with them), finish with the version,
 resume, through `push.PushSteps`; a failure is raised on every rank as `WeightPushError` naming the
-stage. vLLM's engine loads as the reshards land, so a failed transfer leaves that server PAUSED with
-a partial update (named in the error), never resumed on a mix. Needs CUDA, vLLM and the
-`nccl-extensions` package on the trainer and the servers; not run on this project's machines yet.
+stage. vLLM's engine loads as the reshards land, so after a failed transfer `PushSteps.recover`
+aborts the update on the server (our extension restores the layers not yet complete) and leaves it
+PAUSED when some layers already hold the new weights (named in the error), never resumed on a mix.
+Needs CUDA, vLLM and the `nccl-extensions` package on the trainer and the servers, and servers
+started with our worker extension (`mgrpo serve --weight-transfer nccl_m2n`); not run on this
+project's machines yet (docs/rollout.md).
 """
 from __future__ import annotations
 
@@ -307,18 +315,27 @@ def validate(plan: M2NPlan, num_workers: int = 1) -> None:
 
 
 def unfit_reason(model, spec=None) -> str | None:
-    """Why this job cannot push through nccl_m2n (None: it can). The same answer on every rank."""
+    """Why this job cannot push through nccl_m2n (None: it can). Collective over the default group
+    (every rank calls it; all get the same answer: the first rank's reason that has one)."""
+    import torch.distributed as dist
+
+    reason = None
     try:
         import nccl.m2n  # noqa: F401 - vLLM's engine imports it at init
     except ImportError as e:
-        return f"the nccl-extensions package (nccl.m2n) is not importable here: {e}"
+        reason = f"the nccl-extensions package (nccl.m2n) is not importable: {e}"
     try:
-        validate(describe(model, spec))
+        if reason is None:
+            validate(describe(model, spec))
     except M2NUnfit as e:
-        return str(e)
+        reason = str(e)
     except ImportError as e:
-        return f"vLLM is not importable on the trainer: {e}"
-    return None
+        reason = f"vLLM is not importable on the trainer: {e}"
+    if not dist.is_initialized():
+        return reason
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, reason)
+    return next((f"trainer rank {r}: {w}" for r, w in enumerate(every) if w is not None), None)
 
 
 def make_source(plan: M2NPlan):

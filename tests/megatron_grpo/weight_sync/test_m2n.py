@@ -12,6 +12,8 @@ back. The NCCL transfer itself (`push_m2n`) needs 2 GPUs, vLLM and nccl-extensio
 """
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
@@ -59,6 +61,9 @@ def _described(hf_dir, layouts):
             push_m2n(model, 1, servers if dist.get_rank() == 0 else None)
         except ValueError as e:
             out["refused"].append(str(e))
+    from megatron_grpo.weight_sync.m2n import unfit_reason
+
+    out["unfit_reason"] = unfit_reason(model)  # collective: one answer on every rank
     return out
 
 
@@ -169,6 +174,11 @@ def test_push_without_nccl_m2n_receivers_is_refused_on_every_rank(described_rank
            "push_m2n needs nccl_m2n receivers: ['http://127.0.0.1:9']"]
     assert described_ranks[0]["refused"] == why
     assert described_ranks[1]["refused"] == [f"(from trainer rank 0) {w}" for w in why]
+    # without nccl-extensions (CPU machines) the job cannot take the m2n path, on every rank alike
+    assert described_ranks[0]["unfit_reason"] == described_ranks[1]["unfit_reason"]
+    if importlib.util.find_spec("nccl") is None:
+            assert described_ranks[0]["unfit_reason"].startswith("trainer rank 0: the nccl-extensions package "
+                                                             "(nccl.m2n) is not importable")
 
 
 def test_pipeline_parallel_is_refused_with_the_reason(described):
