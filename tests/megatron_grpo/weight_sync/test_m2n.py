@@ -258,7 +258,8 @@ def _m2n_form(weights: dict[str, torch.Tensor]) -> tuple[list, dict[str, list[in
             out.append((n, t))
     for prefix, parts in experts.items():
         n = 1 + max(e for e, _ in parts)
-        out.append((f"{prefix}.gate_up_proj", torch.stack([torch.cat([parts[e, "gate"], parts[e, "up"]]) for e in range(n)])))
+        gate_up = [torch.cat([parts[e, "gate"], parts[e, "up"]]) for e in range(n)]
+        out.append((f"{prefix}.gate_up_proj", torch.stack(gate_up)))
         out.append((f"{prefix}.down_proj", torch.stack([parts[e, "down"] for e in range(n)])))
     return out, flat
 
@@ -312,3 +313,32 @@ def test_vllm_server_loads_the_m2n_forms_as_the_checkpoint_forms(vllm_server, ti
     changed = [k for k in before if before[k] != via_checkpoint[k]]
     assert any("experts" in k for k in changed) and any("conv2d1" in k for k in changed), changed[:5]
     assert via_m2n == via_checkpoint, [k for k in via_m2n if via_m2n[k] != via_checkpoint.get(k)][:5]
+
+
+def _full_width_on_device(layers: int, device: str = "cuda"):
+    """Rank body: two full-width layers on one GPU (the release's widths, random bf16): every m2n
+    piece, read on the device, against `export_hf` bit for bit (one rank: all replicated)."""
+    from test_multisource import random_model
+
+    from megatron_grpo.weight_sync.m2n import describe
+    from model_bridge.export import export_hf
+
+    model, spec = random_model(device, device == "cpu", layers)
+    ref = dict(export_hf(model, spec))
+    plan = describe(model, spec)
+    differ = []
+    for piece in plan.pieces:
+        x, r = piece.local(), ref[piece.name]
+        if not (x.device.type == device and piece.placements is None
+                and tuple(x.shape) == piece.shape == tuple(r.shape) and torch.equal(x.contiguous().view(torch.uint8), r.contiguous().view(torch.uint8))):
+            differ.append(piece.name)
+    return {"mesh": plan.mesh_dims, "names_equal": sorted(p.name for p in plan.pieces) == sorted(ref),
+            "differ": differ, "pieces": len(plan.pieces)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_m2n_pieces_are_the_export_full_width():
+    res = run_ranks(_full_width_on_device, 1, 2, timeout=600)[0]
+    assert res["mesh"] == (1, 1) and res["names_equal"] and res["differ"] == [], res
+    assert res["pieces"] > 2 * 3 * 128, res
