@@ -117,10 +117,11 @@ class WeightSyncSection:
     shards (weight_sync/multisource.py); on GPU servers started with vLLM's nccl_m2n engine
     (rollout.weight_transfer: nccl_m2n, needs nccl-extensions) through vLLM's many-to-many
     reshard (weight_sync/m2n.py; not run yet: needs two GPUs with vLLM), when the job fits its
-    contract: no pipeline parallelism, one split size (TP, EP or ETP, at most 16). Elsewhere it
-    falls back to gather, saying why once. auto: multisource for a multi-rank job on gloo or
-    nccl_m2n servers (m2n only where the job fits), else gather. All or nothing on gloo; a failed
-    nccl_m2n push leaves a partly updated server paused (docs/rollout.md)."""
+    contract: no pipeline parallelism, one split size (TP, EP or ETP, at most 16); nccl_m2n servers
+    take nothing else, so a job that does not fit is refused before step 1, naming the fix. On
+    dense nccl servers it falls back to gather, saying why once. auto: multisource for a
+    multi-rank job on gloo servers and for any job on nccl_m2n servers, else gather. All or nothing
+    on gloo; a failed nccl_m2n push leaves a partly updated server paused (docs/rollout.md)."""
 
 
 @dataclass

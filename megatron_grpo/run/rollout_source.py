@@ -205,26 +205,36 @@ class TrajectorySource:
         if self.future is not None:
             self.future.result()
 
+    def resolve_push_mode(self, model) -> str:
+        """How this run pushes (`multisource.resolve_mode`), decided once, before the first step: from
+        the servers' data plane (rank 0's receivers, broadcast) and, on nccl_m2n servers, whether the
+        job fits vLLM's m2n contract (raises if not). A collective: every rank calls it."""
+        if self.resolved_mode is not None:
+            return self.resolved_mode
+        from megatron_grpo.weight_sync.multisource import resolve_mode
+
+        backend = self.backend.receivers[0].backend if self.rank == 0 else None
+        if torch_dist_ready():
+            import torch.distributed as dist
+            box = [backend]
+            dist.broadcast_object_list(box, src=0)
+            backend = box[0]
+
+        def m2n_unfit():
+            from megatron_grpo.weight_sync.m2n import unfit_reason
+            return unfit_reason(model)
+
+        self.resolved_mode = resolve_mode(self.sync_mode, backend, m2n_unfit=m2n_unfit)
+        return self.resolved_mode
+
     def push(self, model, version: int) -> None:
         """Push the weights to vLLM (a collective: every rank calls it): from every shard owner
         (weight_sync.mode multisource: our gloo engine, or vLLM's nccl_m2n) or gathered to rank 0."""
         from megatron_grpo.weight_sync.gather import export_to_rank0
-        from megatron_grpo.weight_sync.multisource import push_multisource, resolve_mode
+        from megatron_grpo.weight_sync.multisource import push_multisource
 
         receivers = self.backend.receivers if self.rank == 0 else None
-        if self.resolved_mode is None:  # once per run: the servers' data plane, rank 0's, for every rank
-            backend = receivers[0].backend if receivers else None
-            if torch_dist_ready():
-                import torch.distributed as dist
-                box = [backend]
-                dist.broadcast_object_list(box, src=0)
-                backend = box[0]
-
-            def m2n_unfit():
-                from megatron_grpo.weight_sync.m2n import unfit_reason
-                return unfit_reason(model)
-
-            self.resolved_mode = resolve_mode(self.sync_mode, backend, m2n_unfit=m2n_unfit)
+        self.resolve_push_mode(model)
         if self.resolved_mode == "multisource":
             push_multisource(model, version, receivers)
             return

@@ -64,8 +64,9 @@ def resolve_mode(mode: str, backend: str | None = None, world_size: int | None =
     """`weight_sync.mode` -> "gather", "multisource" (gloo servers, `push_multisource`) or "m2n"
     (nccl_m2n servers, `m2n.push_m2n`) for this job, the same on every rank: from the servers' data
     plane (`backend`, default `push.default_backend`), the world size and, for nccl_m2n servers,
-    `m2n_unfit()` (`m2n.unfit_reason` for the model: None when the job fits vLLM's contract). A
-    multisource that cannot run here falls back to gather and says why, once."""
+    `m2n_unfit()` (`m2n.unfit_reason` for the model: None when the job fits vLLM's contract). On
+    nccl servers a multisource falls back to gather and says why, once; nccl_m2n servers take
+    nothing but m2n, so a job that does not fit (or mode gather) is a ValueError naming the fix."""
     from megatron_grpo.weight_sync.push import default_backend
 
     if mode not in ("auto", "gather", "multisource"):
@@ -73,20 +74,25 @@ def resolve_mode(mode: str, backend: str | None = None, world_size: int | None =
     backend = backend or default_backend()
     if world_size is None:
         world_size = dist.get_world_size() if dist.is_initialized() else 1
+    if backend == "nccl_m2n":  # vLLM's m2n engine is the only way into these servers: no gather path
+        if mode == "gather":
+            raise ValueError("weight_sync.mode=gather cannot push into servers running vLLM's nccl_m2n engine (it "
+                             "takes every trainer rank's shards): set weight_sync.mode auto or multisource, or "
+                             "start the servers with the dense nccl engine (rollout.weight_transfer: nccl)")
+        why = m2n_unfit() if m2n_unfit is not None else "no model was given to check against its contract"
+        if why is not None:
+            raise ValueError(f"the servers run vLLM's nccl_m2n engine, which this job does not fit: {why}; start "
+                             "them with the dense nccl engine (rollout.weight_transfer: nccl, `mgrpo serve "
+                             "--weight-transfer nccl`), which takes the gather path")
+        return "m2n"
     if mode == "gather" or world_size == 1:
         return "gather"  # one rank owns every shard: the same bytes from the same place
     if backend == "gloo":
         return "multisource"
-    if backend == "nccl_m2n":
-        why = m2n_unfit() if m2n_unfit is not None else "no model was given to check against its contract"
-        if why is None:
-            return "m2n"
-        why, say = f"this job does not fit vLLM's nccl_m2n engine: {why}", True
-    else:
-        why = ("the servers run vLLM's dense nccl engine; on GPU the multi-source push goes through vLLM's "
-               "nccl_m2n engine (servers started with --weight-transfer nccl_m2n, which needs the "
-               "nccl-extensions package)")
-        say = mode == "multisource"
+    why = ("the servers run vLLM's dense nccl engine; on GPU the multi-source push goes through vLLM's "
+           "nccl_m2n engine (servers started with --weight-transfer nccl_m2n, which needs the "
+           "nccl-extensions package)")
+    say = mode == "multisource"
     if say and backend not in _FALLBACK_SAID:
         _FALLBACK_SAID.add(backend)
         if not dist.is_initialized() or dist.get_rank() == 0:

@@ -224,16 +224,22 @@ def test_mode_selects_m2n_only_on_nccl_m2n_servers_and_a_fitting_job(capsys):
     from megatron_grpo.weight_sync.multisource import resolve_mode
 
     multisource._FALLBACK_SAID.clear()
-    assert resolve_mode("auto", "nccl_m2n", 4, m2n_unfit=lambda: None) == "m2n"
-    assert resolve_mode("multisource", "nccl_m2n", 4, m2n_unfit=lambda: None) == "m2n"
-    assert resolve_mode("gather", "nccl_m2n", 4, m2n_unfit=lambda: None) == "gather"
+    fits = lambda: None  # noqa: E731
+    assert resolve_mode("auto", "nccl_m2n", 4, m2n_unfit=fits) == resolve_mode("multisource", "nccl_m2n", 4,
+                                                                                m2n_unfit=fits) == "m2n"
+    assert resolve_mode("auto", "nccl_m2n", 1, m2n_unfit=fits) == "m2n"  # one rank: mesh (1, 1), all replicated
     assert capsys.readouterr().out == ""
-    why = "pipeline parallelism (PP=2): ..."
-    assert resolve_mode("auto", "nccl_m2n", 4, m2n_unfit=lambda: why) == "gather"
-    assert resolve_mode("multisource", "nccl_m2n", 4, m2n_unfit=lambda: why) == "gather"
-    assert capsys.readouterr().out == ("[weight_sync] mode=auto falls back to gather on the nccl_m2n data plane: this "
-                                       f"job does not fit vLLM's nccl_m2n engine: {why}\n")
-    assert resolve_mode("multisource", "nccl", 4) == "gather"
+    # nccl_m2n servers take nothing else: a job that does not fit, or mode gather, is refused up front
+    why = "trainer rank 0: pipeline parallelism (PP=2): ..."
+    with pytest.raises(ValueError, match=r"the servers run vLLM's nccl_m2n engine, which this job does not fit: "
+                                         r"trainer rank 0: pipeline parallelism \(PP=2\): \.\.\.; start them with "
+                                         r"the dense nccl engine \(rollout.weight_transfer: nccl"):
+        resolve_mode("auto", "nccl_m2n", 4, m2n_unfit=lambda: why)
+    with pytest.raises(ValueError, match="weight_sync.mode=gather cannot push into servers running vLLM's nccl_m2n"):
+        resolve_mode("gather", "nccl_m2n", 4, m2n_unfit=fits)
+    # dense nccl servers: multisource falls back to gather, saying why once; auto silently
+    assert resolve_mode("auto", "nccl", 4) == "gather" and capsys.readouterr().out == ""
+    assert resolve_mode("multisource", "nccl", 4) == resolve_mode("multisource", "nccl", 4) == "gather"
     assert capsys.readouterr().out == (
         "[weight_sync] mode=multisource falls back to gather on the nccl data plane: the servers run vLLM's dense "
         "nccl engine; on GPU the multi-source push goes through vLLM's nccl_m2n engine (servers started with "
