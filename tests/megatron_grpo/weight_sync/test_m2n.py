@@ -6,9 +6,13 @@ checks, as its trainer and worker engines run them at init), and the HF tensors 
 ranks' local pieces the way vLLM lays them out (m2n_common.resolve_layout: rank r of mesh (a, b) at
 (r // b, r % b), one axis sharding a tensor dim in rank order, the other replicating) are the gather
 path's tensors bit for bit (vLLM's fused expert tensors split as its MoE loader splits them: gate_up
-halves along the row dim, per expert). Replicas of a piece agree bit for bit. PP2 is refused with
-the reason. Bad descriptions get our error naming the parameter; mode selection says why it falls
-back. The NCCL transfer itself (`push_m2n`) needs 2 GPUs, vLLM and nccl-extensions: not run here.
+halves along the row dim, per expert; the audio tower's convolutions viewed back from their
+rank-3 form). Replicas of a piece agree bit for bit; vLLM's own init handshake takes our source.
+PP2 is refused with the reason; bad descriptions get our error naming the parameter; a push without
+nccl_m2n receivers is refused on every rank; mode selection says why it falls back or refuses.
+On the real vLLM CPU server (slow): the m2n forms load into bit-identical parameters. On one GPU
+(gpu): the full-width pieces on the device are `export_hf`'s tensors. The NCCL transfer itself
+(`push_m2n`) needs 2 GPUs, vLLM and nccl-extensions: not run here.
 """
 from __future__ import annotations
 
