@@ -65,6 +65,13 @@ def _described(hf_dir, layouts):
             push_m2n(model, 1, servers if dist.get_rank() == 0 else None)
         except ValueError as e:
             out["refused"].append(str(e))
+    from megatron_grpo.weight_sync import WeightPushError
+
+    try:  # an nccl_m2n server that is not there: rank 0 fails at connect, before any rank joins NCCL
+        push_m2n(model, 1, [WeightReceiver("http://127.0.0.1:9", backend="nccl_m2n")] if dist.get_rank() == 0
+                 else None)
+    except WeightPushError as e:
+        out["dead_server"] = {"stage": e.stage, "msg": str(e), "states": e.states}
     from megatron_grpo.weight_sync.m2n import unfit_reason
 
     out["unfit_reason"] = unfit_reason(model)  # collective: one answer on every rank
@@ -178,6 +185,12 @@ def test_push_without_nccl_m2n_receivers_is_refused_on_every_rank(described_rank
            "push_m2n needs nccl_m2n receivers: ['http://127.0.0.1:9']"]
     assert described_ranks[0]["refused"] == why
     assert described_ranks[1]["refused"] == [f"(from trainer rank 0) {w}" for w in why]
+    dead0, dead1 = described_ranks[0]["dead_server"], described_ranks[1]["dead_server"]
+    assert dead0["stage"] == dead1["stage"] == "connect", (dead0, dead1)
+    assert dead0["msg"].startswith("nccl_m2n weight push of version '1' failed at connect on http://127.0.0.1:9: "
+                                   "ServerRequestError: GET http://127.0.0.1:9/get_world_size")
+    assert dead0["states"] == {"http://127.0.0.1:9": "untouched"}
+    assert dead1["msg"].startswith("(from trainer rank 0) trainer rank 0 failed at connect: ServerRequestError")
     # without nccl-extensions (CPU machines) the job cannot take the m2n path, on every rank alike
     assert described_ranks[0]["unfit_reason"] == described_ranks[1]["unfit_reason"]
     if importlib.util.find_spec("nccl") is None:
