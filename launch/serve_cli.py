@@ -84,8 +84,9 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=int, default=32,
                    help="concurrent sequences (as `mgrpo train`'s serve.max_num_seqs)")
     s.add_argument("--max-audio-per-prompt", type=int, default=4, help="audio clips per request")
-    s.add_argument("--weight-transfer", choices=["auto", "gloo", "nccl", "none"], default="auto",
-                   help="weight-sync backend (auto: gloo without CUDA, nccl with it)")
+    s.add_argument("--weight-transfer", choices=["auto", "gloo", "nccl", "nccl_m2n", "none"], default="auto",
+                   help="weight-sync backend (auto: gloo without CUDA, nccl with it; nccl_m2n: vLLM's "
+                        "many-to-many engine for the multi-source push, needs nccl-extensions)")
     s.add_argument("--return-routed-experts", action="store_true",
                    help="return the experts every token was routed to (R3, for rollout.routing_replay=r3): "
                         "vLLM's --enable-return-routed-experts, captured by our worker extension on CPU")

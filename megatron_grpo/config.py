@@ -112,11 +112,16 @@ class WeightSyncSection:
     mode: Literal["auto", "gather", "multisource"] = "auto"
     """gather: the shards are streamed to trainer rank 0, which sends every byte
     (weight_sync/gather.py, push.py). multisource: every trainer rank that owns a unique shard (a
-    TP/ETP slice, an EP rank's experts, a pipeline stage's layers) sends it itself and the server
-    merges the shards (weight_sync/multisource.py), so the push is not bound by rank 0's one link;
-    CPU servers (gloo) only: on GPU vLLM's nccl_m2n engine is not wired yet and the push falls back
-    to gather, saying why once. auto: multisource for a multi-rank job on gloo servers, else
-    gather. Both are all or nothing (docs/rollout.md)."""
+    TP/ETP slice, an EP rank's experts, a pipeline stage's layers) sends it itself, so the push is
+    not bound by rank 0's one link: on CPU (gloo) servers through our engine, which merges the
+    shards (weight_sync/multisource.py); on GPU servers started with vLLM's nccl_m2n engine
+    (rollout.weight_transfer: nccl_m2n, needs nccl-extensions) through vLLM's many-to-many
+    reshard (weight_sync/m2n.py; not run yet: needs two GPUs with vLLM), when the job fits its
+    contract: no pipeline parallelism, one split size (TP, EP or ETP, at most 16); nccl_m2n servers
+    take nothing else, so a job that does not fit is refused before step 1, naming the fix. On
+    dense nccl servers it falls back to gather, saying why once. auto: multisource for a
+    multi-rank job on gloo servers and for any job on nccl_m2n servers, else gather. All or nothing
+    on gloo; a failed nccl_m2n push leaves a partly updated server paused (docs/rollout.md)."""
 
 
 @dataclass

@@ -252,6 +252,8 @@ def build_run(cfg: TrainConfig, resume: bool = False) -> Run:
         if rank == 0:
             logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, plot=cfg.logging.plot)
         source = open_source(cfg, backend, data, rank)  # rollout.server replay: a recording's steps, no server, no push
+        if hasattr(source, "resolve_push_mode"):  # before step 1: a push that cannot work fails now
+            source.resolve_push_mode(engine.model)
         kept = TrajectoryLog(cfg, run_dir, rank)  # trainer logprobs beside recordings, logging.trajectories
         dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         to_ranks = functools.partial(deliver, plan_of=functools.partial(plan_step, dp_size=dp_size, config=packing),

@@ -47,6 +47,11 @@ class RolloutConfig:
     by more than ``affinity_slack``."""
     api_key: Optional[str] = field(default=None, repr=False)
     """Bearer token of the servers (`mgrpo serve --api-key`); default ``$VLLM_API_KEY``."""
+    weight_transfer: Literal["auto", "gloo", "nccl", "nccl_m2n"] = "auto"
+    """The servers' weight-transfer engine (`mgrpo serve --weight-transfer`; a local server is
+    started with it): auto = gloo without CUDA, nccl with it; nccl_m2n = vLLM's many-to-many engine,
+    which the multi-source push uses on GPU (weight_sync.mode; needs the nccl-extensions package on
+    the trainer and the servers)."""
     model: Optional[str] = None
     """Served model name sent with each request; None asks each server (``GET /v1/models``)."""
     tokenizer: Optional[str] = None
@@ -151,6 +156,9 @@ class RolloutConfig:
     the routes the trainer chose in the step's old-policy logprob pass; false routes freely."""
 
     def __post_init__(self):
+        if self.weight_transfer not in ("auto", "gloo", "nccl", "nccl_m2n"):
+            raise ValueError(f"rollout.weight_transfer must be auto, gloo, nccl or nccl_m2n, got "
+                             f"{self.weight_transfer!r}")
         if isinstance(self.server_urls, str):
             self.server_urls = [self.server_urls]
         if not isinstance(self.server_urls, (list, tuple)) or not self.server_urls:

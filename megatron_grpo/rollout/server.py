@@ -82,8 +82,9 @@ class ServerSpec:
     worker_extension: str | None = DEFAULT_WORKER_EXTENSION
     """vLLM `--worker-extension-cls`; None loads none (then only vLLM's own backends exist)."""
     weight_transfer_backend: str | None = "auto"
-    """Weight-transfer engine for `weight_sync.push`: "gloo" (CPU), "nccl" (GPU), "auto" (gloo
-    without CUDA, nccl with it), None (no weight-transfer endpoints configured)."""
+    """Weight-transfer engine for `weight_sync.push`: "gloo" (CPU), "nccl" (GPU), "nccl_m2n" (GPU,
+    vLLM's many-to-many engine: `weight_sync.m2n`), "auto" (gloo without CUDA, nccl with it), None
+    (no weight-transfer endpoints configured)."""
     token_api: bool = True
     """Serve vLLM's token-in/token-out endpoint ``/inference/v1/generate`` (``--enable-scale-out``),
     which the rollout client needs: it takes prompt token ids plus audio and returns token ids,

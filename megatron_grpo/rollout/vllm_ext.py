@@ -378,6 +378,28 @@ class WorkerExtension:
         self._weight_update_active = False
         return {**state, "was_active": was_active}
 
+    def mgrpo_unflatten_on_load(self, shapes_json: str) -> dict[str, int]:
+        """Have the model's `load_weights` view each tensor named in ``shapes_json`` (JSON: name ->
+        shape) in that shape. vLLM's nccl_m2n engine carries tensors of rank <= 3 only, so
+        `weight_sync.m2n` sends the audio tower's 4-D Conv2d weights with their trailing dims merged;
+        this puts them back before any loader sees them. Replaces an earlier call; "{}" removes it."""
+        import json
+
+        shapes = {str(k): [int(v) for v in vs] for k, vs in json.loads(shapes_json).items()}
+        model = self.model_runner.get_model()
+        base = model.__dict__.get("_mgrpo_base_load_weights", model.load_weights)
+        if not shapes:
+            model.__dict__.pop("load_weights", None)
+            model.__dict__.pop("_mgrpo_base_load_weights", None)
+            return {"unflattened": 0}
+
+        def load_weights(weights):
+            return base((n, t.view(shapes[n]) if n in shapes else t) for n, t in weights)
+
+        model._mgrpo_base_load_weights = base
+        model.load_weights = load_weights
+        return {"unflattened": len(shapes)}
+
     def mgrpo_set_cpu_moe_fix(self, enabled: str) -> dict[str, bool]:
         """Switch the CPU MoE re-prepack fix on/off in this worker (diagnostics and tests only)."""
         prev = _CPU_MOE_FIX["enabled"]

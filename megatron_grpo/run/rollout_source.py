@@ -28,7 +28,7 @@ def local_server_spec(cfg: TrainConfig):
                       seed=cfg.trainer.seed, max_audio_per_prompt=s.max_audio_per_prompt,
                       cpu_kvcache_gib=s.cpu_kvcache_gib, max_audio_seconds=s.max_audio_seconds,
                       return_routed_experts=cfg.rollout.return_routed_experts,
-                      extra_args=list(s.extra_args))
+                      weight_transfer_backend=cfg.rollout.weight_transfer, extra_args=list(s.extra_args))
 
 
 def open_backend(cfg: TrainConfig, run_dir: Path):
@@ -50,6 +50,11 @@ def open_source(cfg: TrainConfig, backend, data, rank: int):
         recorder = Recorder(cfg)
     return TrajectorySource(backend, data, cfg.rollout.overlap, rank, variant=cfg.loss.variant, recorder=recorder,
                             run_dir=cfg.trainer.run_dir, sync_mode=cfg.weight_sync.mode)
+
+
+def torch_dist_ready() -> bool:
+    import torch.distributed as dist
+    return dist.is_available() and dist.is_initialized()
 
 
 def with_advantages(trajs, variant: str):
@@ -93,7 +98,8 @@ class RolloutBackend:
                 rcfg.tokenizer = cfg.model.hf_dir
             self.tokenizer = AutoTokenizer.from_pretrained(rcfg.tokenizer)
             self.engine = RolloutEngine(rcfg, self.tokenizer, data_config=cfg.data)
-            self.receivers = [WeightReceiver(u, api_key=rcfg.api_key) for u in rcfg.server_urls]
+            backend = None if rcfg.weight_transfer == "auto" else rcfg.weight_transfer
+            self.receivers = [WeightReceiver(u, api_key=rcfg.api_key, backend=backend) for u in rcfg.server_urls]
         except BaseException:  # the caller never gets `self` to close: stop our server here
             if self.server is not None:
                 self.server.stop()
@@ -136,6 +142,7 @@ class TrajectorySource:
                  run_dir: str | Path = ".", sync_mode: str = "auto"):
         self.backend, self.data, self.overlap, self.rank = backend, data, overlap, rank
         self.sync_mode = sync_mode
+        self.resolved_mode: str | None = None
         self.run_dir = run_dir
         self.variant, self.recorder = variant, recorder
         self.pool = None
@@ -198,14 +205,42 @@ class TrajectorySource:
         if self.future is not None:
             self.future.result()
 
+    def resolve_push_mode(self, model) -> str:
+        """How this run pushes (`multisource.resolve_mode`), decided once, before the first step: from
+        the servers' data plane (rank 0's receivers, broadcast) and, on nccl_m2n servers, whether the
+        job fits vLLM's m2n contract (raises if not). A collective: every rank calls it."""
+        if self.resolved_mode is not None:
+            return self.resolved_mode
+        from megatron_grpo.weight_sync.multisource import resolve_mode
+
+        backend = self.backend.receivers[0].backend if self.rank == 0 else None
+        if torch_dist_ready():
+            import torch.distributed as dist
+            box = [backend]
+            dist.broadcast_object_list(box, src=0)
+            backend = box[0]
+
+        def m2n_unfit():
+            from megatron_grpo.weight_sync.m2n import unfit_reason
+            return unfit_reason(model)
+
+        self.resolved_mode = resolve_mode(self.sync_mode, backend, m2n_unfit=m2n_unfit)
+        return self.resolved_mode
+
     def push(self, model, version: int) -> None:
         """Push the weights to vLLM (a collective: every rank calls it): from every shard owner
-        (weight_sync.mode multisource) or gathered to rank 0 (gather)."""
+        (weight_sync.mode multisource: our gloo engine, or vLLM's nccl_m2n) or gathered to rank 0."""
         from megatron_grpo.weight_sync.gather import export_to_rank0
-        from megatron_grpo.weight_sync.multisource import push_multisource, resolve_mode
+        from megatron_grpo.weight_sync.multisource import push_multisource
 
-        if resolve_mode(self.sync_mode) == "multisource":
-            push_multisource(model, version, self.backend.receivers if self.rank == 0 else None)
+        receivers = self.backend.receivers if self.rank == 0 else None
+        self.resolve_push_mode(model)
+        if self.resolved_mode == "multisource":
+            push_multisource(model, version, receivers)
+            return
+        if self.resolved_mode == "m2n":
+            from megatron_grpo.weight_sync.m2n import push_m2n
+            push_m2n(model, version, receivers)
             return
         weights = export_to_rank0(model)
         self.backend.push(weights, version) if self.rank == 0 else sum(1 for _ in weights)

@@ -32,7 +32,7 @@ leaves them waiting for the transfer timeout (the gloo group has no earlier way 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -59,10 +59,14 @@ _GROUPS: dict[int, tuple[Any, Any, int]] = {}
 _FALLBACK_SAID: set[str] = set()
 
 
-def resolve_mode(mode: str, backend: str | None = None, world_size: int | None = None) -> str:
-    """`weight_sync.mode` -> "gather" or "multisource" for this job, the same on every rank (from
-    the machine's default data plane, `push.default_backend`, and the world size). An explicit
-    multisource that cannot run here falls back to gather and says why, once."""
+def resolve_mode(mode: str, backend: str | None = None, world_size: int | None = None,
+                 m2n_unfit: Callable[[], str | None] | None = None) -> str:
+    """`weight_sync.mode` -> "gather", "multisource" (gloo servers, `push_multisource`) or "m2n"
+    (nccl_m2n servers, `m2n.push_m2n`) for this job, the same on every rank: from the servers' data
+    plane (`backend`, default `push.default_backend`), the world size and, for nccl_m2n servers,
+    `m2n_unfit()` (`m2n.unfit_reason` for the model: None when the job fits vLLM's contract). On
+    nccl servers a multisource falls back to gather and says why, once; nccl_m2n servers take
+    nothing but m2n, so a job that does not fit (or mode gather) is a ValueError naming the fix."""
     from megatron_grpo.weight_sync.push import default_backend
 
     if mode not in ("auto", "gather", "multisource"):
@@ -70,16 +74,29 @@ def resolve_mode(mode: str, backend: str | None = None, world_size: int | None =
     backend = backend or default_backend()
     if world_size is None:
         world_size = dist.get_world_size() if dist.is_initialized() else 1
+    if backend == "nccl_m2n":  # vLLM's m2n engine is the only way into these servers: no gather path
+        if mode == "gather":
+            raise ValueError("weight_sync.mode=gather cannot push into servers running vLLM's nccl_m2n engine (it "
+                             "takes every trainer rank's shards): set weight_sync.mode auto or multisource, or "
+                             "start the servers with the dense nccl engine (rollout.weight_transfer: nccl)")
+        why = m2n_unfit() if m2n_unfit is not None else "no model was given to check against its contract"
+        if why is not None:
+            raise ValueError(f"the servers run vLLM's nccl_m2n engine, which this job does not fit: {why}; start "
+                             "them with the dense nccl engine (rollout.weight_transfer: nccl, `mgrpo serve "
+                             "--weight-transfer nccl`), which takes the gather path")
+        return "m2n"
     if mode == "gather" or world_size == 1:
         return "gather"  # one rank owns every shard: the same bytes from the same place
     if backend == "gloo":
         return "multisource"
-    if mode == "multisource" and backend not in _FALLBACK_SAID:
+    why = ("the servers run vLLM's dense nccl engine; on GPU the multi-source push goes through vLLM's "
+           "nccl_m2n engine (servers started with --weight-transfer nccl_m2n, which needs the "
+           "nccl-extensions package)")
+    say = mode == "multisource"
+    if say and backend not in _FALLBACK_SAID:
         _FALLBACK_SAID.add(backend)
         if not dist.is_initialized() or dist.get_rank() == 0:
-            print(f"[weight_sync] mode=multisource falls back to gather on the {backend} data plane: vLLM's "
-                  "nccl_m2n many-to-many engine is not wired to our export yet (multisource runs on gloo "
-                  "servers)", flush=True)
+            print(f"[weight_sync] mode={mode} falls back to gather on the {backend} data plane: {why}", flush=True)
     return "gather"
 
 
@@ -167,8 +184,8 @@ def _drive(servers, version, mine, metas, senders, pause_mode, st) -> PushStats:
     if not servers:
         bad = "push_multisource needs at least one WeightReceiver on rank 0"
     elif any(s.backend != "gloo" for s in servers):
-        bad = (f"weight_sync.mode=multisource needs gloo receivers (CPU servers; vLLM's nccl_m2n is not wired "
-               f"yet): {[s.url for s in servers if s.backend != 'gloo']}")
+        bad = (f"push_multisource needs gloo receivers (CPU servers; nccl_m2n servers take weight_sync.m2n."
+               f"push_m2n): {[s.url for s in servers if s.backend != 'gloo']}")
     if bad is not None:  # the other ranks wait in the broadcasts below: release them, then raise everywhere
         _bcast({"n": 0, "need": []})
         _bcast({"error": bad})

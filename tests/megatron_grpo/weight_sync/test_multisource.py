@@ -269,16 +269,11 @@ def test_resolve_mode(capsys):
         resolve_mode("fast", "gloo", 2)
 
 
-def _on_device(device: str, tiny: bool, layers: int):
-    """Rank body: the multi-source path on one device (owned shards -> buckets -> pack -> unpack ->
-    merge, all on `device`) against `export_hf` of the same model, bit for bit; the release's widths
-    unless `tiny`, random bf16 weights."""
+def random_model(device: str, tiny: bool, layers: int):
+    """(model, spec): one rank's thinker without audio tower on `device`, the release's widths unless
+    `tiny`, `layers` layers, random bf16 weights (seed 0)."""
     from launch.bench._sync_common import sync_config
-    from megatron_grpo.weight_sync.buckets import default_bucket_bytes, pack_bucket, unpack_bucket
-    from megatron_grpo.weight_sync.multisource import plan_buckets
-    from megatron_grpo.weight_sync.shards import owned_shards
     from model_bridge.config import ParallelLayout, parse_omni_config
-    from model_bridge.export import export_hf
     from model_bridge.modeling import build_thinker
     from model_bridge.parallel import init_parallel
 
@@ -294,6 +289,19 @@ def _on_device(device: str, tiny: bool, layers: int):
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.02, generator=g) if p.is_floating_point() else p.zero_()
+    return model, spec
+
+
+def _on_device(device: str, tiny: bool, layers: int):
+    """Rank body: the multi-source path on one device (owned shards -> buckets -> pack -> unpack ->
+    merge, all on `device`) against `export_hf` of the same model, bit for bit; the release's widths
+    unless `tiny`, random bf16 weights."""
+    from megatron_grpo.weight_sync.buckets import default_bucket_bytes, pack_bucket, unpack_bucket
+    from megatron_grpo.weight_sync.multisource import plan_buckets
+    from megatron_grpo.weight_sync.shards import owned_shards
+    from model_bridge.export import export_hf
+
+    model, spec = random_model(device, tiny, layers)
     ref = dict(export_hf(model, spec))
     got, buckets, asm = {}, 0, ShardAssembler()
     for bucket in plan_buckets(owned_shards(model, spec), default_bucket_bytes(device)):
