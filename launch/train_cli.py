@@ -67,6 +67,9 @@ def _check_model_fits(cfg, world_size: int) -> list[str]:
     from megatron_grpo.run.embedded import ensure_embedded_inputs
     from model_bridge.config import ParallelLayout, check_layout, read_omni_config
 
+    if cfg.rollout.server != "replay":  # before the embedded cold start is built: it takes minutes
+        from megatron_grpo.rollout.plugins import check_rollout_names
+        check_rollout_names(cfg.rollout)  # PluginError (a ValueError): unknown reward, tool, policy, plugin file
     ensure_embedded_inputs(cfg)
     p = cfg.parallel
     check_layout(read_omni_config(cfg.model.hf_dir), ParallelLayout(tp=p.tp, ep=p.ep, etp=p.etp, pp=p.pp),
@@ -76,8 +79,6 @@ def _check_model_fits(cfg, world_size: int) -> list[str]:
         check_compatible(read_manifest(cfg.rollout.replay_dir), cfg.model.hf_dir, cfg.rollout.replay_dir)
     else:
         from megatron_grpo.data.reader import read_jsonl
-        from megatron_grpo.rollout.plugins import check_rollout_names
-        check_rollout_names(cfg.rollout)  # PluginError (a ValueError): unknown reward, tool, policy, plugin file
         if cfg.rollout.server == "remote":
             _check_servers_answer(cfg.rollout.server_urls, cfg.rollout.connect_timeout_s)
         # DataError (a ValueError) names file, line, fix; skipped rows are logged once, by the run

@@ -265,7 +265,9 @@ def build_run(cfg: TrainConfig, resume: bool = False) -> Run:
                 logger.truncate_after(start)
         elif logger:  # a new run in a run dir without checkpoints: its metrics start afresh, unmixed
             logger.truncate_after(0)
-        if start > 0 or resume:  # the server must serve the checkpoint's weights, not the HF dir's
+        # the server must serve the checkpoint's weights, not the HF dir's; a remote server may
+        # serve other weights than model.hf_dir's (another checkpoint, the tiny model before its cold start)
+        if start > 0 or resume or cfg.rollout.server == "remote":
             source.push(engine.model, start)
 
         bar = None

@@ -1,7 +1,15 @@
-"""The embedded default's inputs: the tiny checkpoint and synthetic audio-agent data, built into
+"""The embedded default's inputs: the tiny checkpoint, synthetic audio-agent data and the tiny
+model's agentic cold start (a short `mgrpo sft` on the synthetic expert trajectories), built into
 the cache dir ($MGRPO_CACHE, default ~/.cache/megatron-grpo) the first time a run needs them."""
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 from megatron_grpo.config import TrainConfig, default_cache_dir
@@ -13,7 +21,8 @@ DATA_ROWS = 64
 def ensure_embedded_inputs(cfg: TrainConfig, cache: Path | None = None) -> TrainConfig:
     """Fill model.hf_dir / data.train_jsonl when unset, building what is missing (rank 0 only)."""
     cache = Path(cache or default_cache_dir())
-    _ensure_tiny(cfg, cache)
+    if cfg.model.hf_dir is None:
+        cfg.model.hf_dir = str(ensure_cold_start(cfg, cache))
     if cfg.data.train_jsonl is None and cfg.rollout.server != "replay":  # a replay reads no data
         out = cache / "audio-agent-data"
         if not (out / "train.jsonl").exists():
@@ -38,6 +47,55 @@ def ensure_sft_inputs(cfg: TrainConfig, cache: Path | None = None) -> TrainConfi
             make_data(out, n=DATA_ROWS, n_dev=4, seed=0, progress=False, sft=True)
         cfg.sft.data = str(out / "sft.jsonl")
     return cfg
+
+
+_COLD_START_SOURCES = ("megatron_grpo/sft", "megatron_grpo/algo/sft.py", "megatron_grpo/data/synth.py",
+                       "megatron_grpo/data/synth_sft.py", "model_bridge/tiny.py")
+"""What the cold start is made by: a change to any of them builds it again."""
+
+
+def cold_start_key(cfg: TrainConfig, sft_jsonl: Path) -> str:
+    """The cold start's cache key: the sft section's steps, batch, lr and seed, the trajectories'
+    bytes and the source of the SFT, the synthetic data and the tiny model."""
+    root = Path(__file__).resolve().parents[2]
+    h = hashlib.sha256(json.dumps([cfg.sft.steps, cfg.sft.samples_per_step, cfg.sft.lr, cfg.data.seed,
+                                   TINY_SEED, DATA_ROWS]).encode())
+    h.update(sft_jsonl.read_bytes())
+    for rel in _COLD_START_SOURCES:
+        p = root / rel
+        for f in sorted(p.rglob("*.py")) if p.is_dir() else [p]:
+            h.update(f.relative_to(root).as_posix().encode() + f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def ensure_cold_start(cfg: TrainConfig, cache: Path) -> Path:
+    """The tiny model after `sft.steps` steps of `mgrpo sft` on the embedded expert trajectories
+    (one rank, TP1): ``cache/tiny-omni-sft-KEY/hf``, built on first use (about 2 minutes on 2
+    cores) and reused while `cold_start_key` is unchanged; older builds are removed."""
+    sft_cfg = ensure_sft_inputs(TrainConfig(), cache)
+    out = cache / f"tiny-omni-sft-{cold_start_key(cfg, Path(sft_cfg.sft.data))}"
+    if (out / "hf" / "model.safetensors.index.json").exists():
+        return out / "hf"
+    print(f"[train] building the embedded cold start (mgrpo sft, {cfg.sft.steps} steps) in {out}", flush=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-omni-sft-", dir=cache))
+    cmd = [sys.executable, "-m", "launch.cli", "sft", "--nproc", "1", "parallel.tp=1", "parallel.ep=1",
+           "parallel.pp=1", f"sft.run_dir={tmp}", f"sft.steps={cfg.sft.steps}",
+           f"sft.samples_per_step={cfg.sft.samples_per_step}", f"sft.lr={cfg.sft.lr}", f"data.seed={cfg.data.seed}",
+           "checkpoint.every=0", "checkpoint.keep_last=1", "logging.tensorboard=false", "logging.plot=false"]
+    env = dict(os.environ, MGRPO_CACHE=str(cache))
+    env.pop("RANK", None), env.pop("WORLD_SIZE", None), env.pop("LOCAL_RANK", None)
+    try:
+        code = subprocess.run(cmd, env=env, cwd=Path(__file__).resolve().parents[2]).returncode
+        if code != 0:
+            raise RuntimeError(f"the embedded cold start (`{' '.join(cmd[2:])}`) exited with {code}; its output is "
+                               "above. Give model.hf_dir to train another checkpoint")
+        shutil.rmtree(tmp / "checkpoints", ignore_errors=True)  # the HF export is what the runs read
+        for old in cache.glob("tiny-omni-sft-*"):
+            shutil.rmtree(old, ignore_errors=True)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out / "hf"
 
 
 def _ensure_tiny(cfg: TrainConfig, cache: Path) -> None:

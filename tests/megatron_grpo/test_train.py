@@ -210,7 +210,7 @@ def test_zero_std_groups_are_counted_and_a_streak_is_announced_once(capsys):
 
 
 def test_unknown_reward_or_plugin_fails_before_any_rank_or_server_starts(mgrpo_inproc, tmp_path):
-    r = mgrpo_inproc("train", "rollout.reward_funcs=[iuo]", f"trainer.run_dir={tmp_path / 'a'}")
+    r = mgrpo_inproc("train", "rollout.reward_funcs=[iuo]", "rollout.reward_weights=null", f"trainer.run_dir={tmp_path / 'a'}")
     assert r.returncode == 2, r.stderr[-2000:]
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("mgrpo train: config error: unknown reward function 'iuo' (did you mean 'iou'?); "
