@@ -64,16 +64,17 @@ def _check_model_fits(cfg, world_size: int) -> list[str]:
     """Build the embedded inputs if needed, then check the layout against the checkpoint, read
     every data row and size the local vLLM server from them (a bad row or one that cannot fit fails
     here, in one line each, not after the server has started). Returns the sizes as overrides."""
-    from megatron_grpo.run.embedded import ensure_embedded_inputs
+    from megatron_grpo.run.embedded import ensure_embedded_inputs, ensure_tiny
     from model_bridge.config import ParallelLayout, check_layout, read_omni_config
 
     if cfg.rollout.server != "replay":  # before the embedded cold start is built: it takes minutes
         from megatron_grpo.rollout.plugins import check_rollout_names
         check_rollout_names(cfg.rollout)  # PluginError (a ValueError): unknown reward, tool, policy, plugin file
-    ensure_embedded_inputs(cfg)
     p = cfg.parallel
-    check_layout(read_omni_config(cfg.model.hf_dir), ParallelLayout(tp=p.tp, ep=p.ep, etp=p.etp, pp=p.pp),
-                 world_size=world_size)
+    # the embedded cold start has the tiny checkpoint's shapes: a layout that cannot fit fails before its build
+    check_layout(read_omni_config(cfg.model.hf_dir or ensure_tiny()),
+                 ParallelLayout(tp=p.tp, ep=p.ep, etp=p.etp, pp=p.pp), world_size=world_size)
+    ensure_embedded_inputs(cfg)
     if cfg.rollout.server == "replay":  # the recording fits this checkpoint (vocab, audio mel bins)
         from megatron_grpo.run.replay import check_compatible, read_manifest
         check_compatible(read_manifest(cfg.rollout.replay_dir), cfg.model.hf_dir, cfg.rollout.replay_dir)

@@ -50,7 +50,7 @@ def ensure_sft_inputs(cfg: TrainConfig, cache: Path | None = None) -> TrainConfi
 
 
 _COLD_START_SOURCES = ("megatron_grpo/sft", "megatron_grpo/algo/sft.py", "megatron_grpo/data/synth.py",
-                       "megatron_grpo/data/synth_sft.py", "model_bridge/tiny.py")
+                       "megatron_grpo/data/synth_sft.py", "model_bridge/tiny")
 """What the cold start is made by: a change to any of them builds it again."""
 
 
@@ -95,14 +95,20 @@ def ensure_cold_start(cfg: TrainConfig, cache: Path) -> Path:
         tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    print(f"[train] the embedded cold start is {out / 'hf'} (moved there from {tmp})", flush=True)
     return out / "hf"
+
+
+def ensure_tiny(cache: Path | None = None) -> Path:
+    """The embedded tiny checkpoint (random weights; the cold start's shapes), built on first use."""
+    out = Path(cache or default_cache_dir()) / "tiny-omni"
+    if not (out / "model.safetensors.index.json").exists():
+        from model_bridge.tiny import make_tiny
+        print(f"[train] building the embedded tiny checkpoint in {out}", flush=True)
+        make_tiny(out, preset="tiny", seed=TINY_SEED)
+    return out
 
 
 def _ensure_tiny(cfg: TrainConfig, cache: Path) -> None:
     if cfg.model.hf_dir is None:
-        out = cache / "tiny-omni"
-        if not (out / "model.safetensors.index.json").exists():
-            from model_bridge.tiny import make_tiny
-            print(f"[train] building the embedded tiny checkpoint in {out}", flush=True)
-            make_tiny(out, preset="tiny", seed=TINY_SEED)
-        cfg.model.hf_dir = str(out)
+        cfg.model.hf_dir = str(ensure_tiny(cache))
