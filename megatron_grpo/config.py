@@ -388,7 +388,7 @@ class TrainConfig:
     # think_length] at equal weights the policy learns to skip the tool (think_length scores the last
     # turn either way; docs/sft.md).
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(
-        num_generations=8, max_turns=3, max_new_tokens=128, temperature=1.0,
+        num_generations=8, max_turns=3, max_new_tokens=128, temperature=0.7,
         reward_funcs=["format", "iou", "think_length", "tool_call"], reward_weights=[1.0, 1.0, 0.2, 0.5]))
     serve: ServeConfig = field(default_factory=ServeConfig)
     weight_sync: WeightSyncSection = field(default_factory=WeightSyncSection)
@@ -397,7 +397,7 @@ class TrainConfig:
     # 2e-4, not more: at 5e-4 the tiny model's entropy collapses within 2-3 updates, before the reward
     # has steered it, and on some CPUs it collapsed onto zero-reward text (every group then scores the
     # same, the advantage is 0 and learning stops for good). At 2e-4 the climb from ~0.01 to 1.0 takes
-    # 8-15 steps on every seed tried (docs/training.md, "The embedded default").
+    # 8-15 steps on every seed tried (docs/training.md, "The raw tiny model on a dense toy reward").
     optimizer: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-4, clip_grad=1.0))
     packing: PackingSection = field(default_factory=PackingSection)
     trainer: TrainerSection = field(default_factory=TrainerSection)

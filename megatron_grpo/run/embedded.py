@@ -70,7 +70,7 @@ def cold_start_key(cfg: TrainConfig, sft_jsonl: Path) -> str:
 
 def ensure_cold_start(cfg: TrainConfig, cache: Path) -> Path:
     """The tiny model after `sft.steps` steps of `mgrpo sft` on the embedded expert trajectories
-    (one rank, TP1): ``cache/tiny-omni-sft-KEY/hf``, built on first use (about 2 minutes on 2
+    (one rank, TP1): ``cache/tiny-omni-sft-KEY/hf``, built on first use (280 s on 2 busy
     cores) and reused while `cold_start_key` is unchanged; older builds are removed."""
     sft_cfg = ensure_sft_inputs(TrainConfig(), cache)
     out = cache / f"tiny-omni-sft-{cold_start_key(cfg, Path(sft_cfg.sft.data))}"
@@ -92,6 +92,7 @@ def ensure_cold_start(cfg: TrainConfig, cache: Path) -> Path:
         shutil.rmtree(tmp / "checkpoints", ignore_errors=True)  # the HF export is what the runs read
         for old in cache.glob("tiny-omni-sft-*"):
             shutil.rmtree(old, ignore_errors=True)
+        tmp.chmod(0o755)  # mkdtemp's 0700 would hide it from other users of a shared cache
         tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
