@@ -20,12 +20,13 @@ CACHE = Path(os.environ.get("MGRPO_TEST_CACHE", REPO / ".cache" / "tests"))  # a
 
 REWARD_STEPS = 6
 """Steps of the embedded-default run. The default is the audio-agent task from the cached tiny
-cold start (megatron_grpo/run/embedded.py; built once per test cache, about 4 minutes on 2 cores):
+cold start (megatron_grpo/run/embedded.py; built once per test cache, 280 s on 2 busy cores):
 its reward rises over 20 steps (docs/sft.md) but moves by about as much from step to step as it
 gains in 6, so this run checks that the agent loop runs and that every step has a learning signal."""
-MIN_TURNS = 1.5
-"""The cold start calls crop_audio: a model that answers at once (the raw tiny model, or one that
-learned to skip the tool) has `turns/mean` 1.0 (docs/sft.md); the cold start gives 1.6-2.1 at every step."""
+MIN_TURNS = (1.25, 1.7)
+"""(every step, the mean of the steps): the cold start calls crop_audio. A model that answers at
+once (the raw tiny model, or one that learned to skip the tool) has `turns/mean` 1.0 (docs/sft.md);
+the cold start gives about 1.95 on average, 1.47-1.72 on the steps of the hardest prompts."""
 
 
 def _remote(server) -> list[str]:
@@ -147,7 +148,8 @@ def test_embedded_default_learns_checkpoints_and_resumes(remote_server, tmp_path
     assert [x["step"] for x in m] == list(range(1, REWARD_STEPS + 1))
     print(f"turns/mean {[x['turns/mean'] for x in m]}, reward/mean {[round(x['reward/mean'], 3) for x in m]}; "
           f"step time {sum(x['time/step'] for x in m) / len(m):.1f} s")
-    assert all(x["turns/mean"] >= MIN_TURNS for x in m), [x["turns/mean"] for x in m]
+    turns = [x["turns/mean"] for x in m]
+    assert min(turns) >= MIN_TURNS[0] and sum(turns) / len(turns) >= MIN_TURNS[1], turns
     assert all(x["reward/tool_call"] > 0 for x in m), [x["reward/tool_call"] for x in m]  # executed, well-formed
     assert all(x["reward/frac_zero_std"] < 1 for x in m), [x["reward/frac_zero_std"] for x in m]
     assert all(x["reward/std"] > 0 and x["grad_norm"] > 0 for x in m)  # every step had advantages to learn from
