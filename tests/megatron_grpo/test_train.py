@@ -135,6 +135,7 @@ def test_bad_data_row_fails_before_any_rank_or_server_starts(mgrpo_inproc, tmp_p
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith(f"mgrpo train: data error: {bad} line 1: missing 'audios'"), last
     assert "vllm" not in (r.stdout + r.stderr).lower()
+    assert "cold start" not in r.stdout + r.stderr  # the data is checked before the cold start's minutes
     assert not (tmp_path / "run" / "vllm-server.log").exists()
 
 
