@@ -61,27 +61,36 @@ def _load(args, cmd: str = "train", run_dir_key: str = "trainer"):
 
 
 def _check_model_fits(cfg, world_size: int) -> list[str]:
-    """Build the embedded inputs if needed, then check the layout against the checkpoint, read
-    every data row and size the local vLLM server from them (a bad row or one that cannot fit fails
+    """Check the layout against the checkpoint, read every data row, build the embedded inputs if
+    needed (the cold start takes minutes: after the user's inputs are checked) and size the local
+    vLLM server from the rows (a bad row or one that cannot fit fails
     here, in one line each, not after the server has started). Returns the sizes as overrides."""
-    from megatron_grpo.run.embedded import ensure_embedded_inputs
+    from megatron_grpo.run.embedded import ensure_embedded_inputs, ensure_tiny
     from model_bridge.config import ParallelLayout, check_layout, read_omni_config
 
-    ensure_embedded_inputs(cfg)
+    if cfg.rollout.server != "replay":  # before the embedded cold start is built: it takes minutes
+        from megatron_grpo.rollout.plugins import check_rollout_names
+        check_rollout_names(cfg.rollout)  # PluginError (a ValueError): unknown reward, tool, policy, plugin file
     p = cfg.parallel
-    check_layout(read_omni_config(cfg.model.hf_dir), ParallelLayout(tp=p.tp, ep=p.ep, etp=p.etp, pp=p.pp),
-                 world_size=world_size)
+    # the embedded cold start has the tiny checkpoint's shapes: a layout that cannot fit fails before its build
+    check_layout(read_omni_config(cfg.model.hf_dir or ensure_tiny()),
+                 ParallelLayout(tp=p.tp, ep=p.ep, etp=p.etp, pp=p.pp), world_size=world_size)
+    from megatron_grpo.data.reader import read_jsonl
+
+    rows = None
+    if cfg.rollout.server != "replay":  # the user's data and servers, checked before a cold start is built
+        if cfg.rollout.server == "remote":
+            _check_servers_answer(cfg.rollout.server_urls, cfg.rollout.connect_timeout_s)
+        if cfg.data.train_jsonl is not None:
+            # DataError (a ValueError) names file, line, fix; skipped rows are logged once, by the run
+            rows = read_jsonl(cfg.data.train_jsonl, cfg.data, log_skips=False)
+    ensure_embedded_inputs(cfg)
     if cfg.rollout.server == "replay":  # the recording fits this checkpoint (vocab, audio mel bins)
         from megatron_grpo.run.replay import check_compatible, read_manifest
         check_compatible(read_manifest(cfg.rollout.replay_dir), cfg.model.hf_dir, cfg.rollout.replay_dir)
     else:
-        from megatron_grpo.data.reader import read_jsonl
-        from megatron_grpo.rollout.plugins import check_rollout_names
-        check_rollout_names(cfg.rollout)  # PluginError (a ValueError): unknown reward, tool, policy, plugin file
-        if cfg.rollout.server == "remote":
-            _check_servers_answer(cfg.rollout.server_urls, cfg.rollout.connect_timeout_s)
-        # DataError (a ValueError) names file, line, fix; skipped rows are logged once, by the run
-        rows = read_jsonl(cfg.data.train_jsonl, cfg.data, log_skips=False)
+        if rows is None:  # the embedded data
+            rows = read_jsonl(cfg.data.train_jsonl, cfg.data, log_skips=False)
         if cfg.rollout.server == "local":  # RowsDoNotFit: one line per row that cannot fit
             return _size_local_server(cfg, rows)
     return []

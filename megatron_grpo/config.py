@@ -35,8 +35,10 @@ class ModelConfig:
     """The policy checkpoint."""
 
     hf_dir: Optional[str] = None
-    """HF Qwen3-Omni checkpoint directory. None: the embedded tiny checkpoint (built into the
-    cache dir on first use with `mgrpo make-tiny`)."""
+    """HF Qwen3-Omni checkpoint directory. None: the embedded tiny checkpoint after its agentic cold
+    start (`mgrpo make-tiny`, then ``sft.steps`` of `mgrpo sft` on the synthetic expert trajectories),
+    built into the cache dir on first use and rebuilt when the sft section, the trajectories or
+    their source change (megatron_grpo/run/embedded.py)."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Training dtype: auto = float32 on CPU, bfloat16 (fp32 master weights) on GPU."""
     backend: str = "auto"
@@ -394,9 +396,13 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    # The audio-agent task: crop_audio calls (max_turns 3: up to two crops and the answer) from the
+    # cold-started tiny model. think_length at 0.2 and tool_call at 0.5: with [format, iou,
+    # think_length] at equal weights the policy learns to skip the tool (think_length scores the last
+    # turn either way; docs/sft.md).
     rollout: RolloutConfig = field(default_factory=lambda: RolloutConfig(
-        num_generations=8, max_turns=2, max_new_tokens=24, temperature=1.0,
-        reward_funcs=["answer_chars", "format"]))
+        num_generations=8, max_turns=3, max_new_tokens=128, temperature=0.7,
+        reward_funcs=["format", "iou", "think_length", "tool_call"], reward_weights=[1.0, 1.0, 0.2, 0.5]))
     serve: ServeConfig = field(default_factory=ServeConfig)
     weight_sync: WeightSyncSection = field(default_factory=WeightSyncSection)
     loss: LossConfig = field(default_factory=LossConfig)
@@ -404,7 +410,7 @@ class TrainConfig:
     # 2e-4, not more: at 5e-4 the tiny model's entropy collapses within 2-3 updates, before the reward
     # has steered it, and on some CPUs it collapsed onto zero-reward text (every group then scores the
     # same, the advantage is 0 and learning stops for good). At 2e-4 the climb from ~0.01 to 1.0 takes
-    # 8-15 steps on every seed tried (docs/training.md, "The embedded default").
+    # 8-15 steps on every seed tried (docs/training.md, "The raw tiny model on a dense toy reward").
     optimizer: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-4, clip_grad=1.0))
     packing: PackingSection = field(default_factory=PackingSection)
     trainer: TrainerSection = field(default_factory=TrainerSection)

@@ -271,8 +271,15 @@ def build_run(cfg: TrainConfig, resume: bool = False) -> Run:
                 logger.truncate_after(start)
         elif logger:  # a new run in a run dir without checkpoints: its metrics start afresh, unmixed
             logger.truncate_after(0)
-        if start > 0 or resume:  # the server must serve the checkpoint's weights, not the HF dir's
-            source.push(engine.model, start)
+        # the server must serve the checkpoint's weights, not the HF dir's; a remote server may
+        # serve other weights than model.hf_dir's (another checkpoint, the tiny model before its cold start)
+        if start > 0 or resume or cfg.rollout.server == "remote":
+            from megatron_grpo.run.failures import RolloutFailed, rollout_failure
+            from megatron_grpo.weight_sync.push import WeightPushError
+            try:
+                source.push(engine.model, start)
+            except WeightPushError as e:  # a server that cannot take the weights: one line, as a failed rollout
+                raise (rollout_failure(e, run_dir) if rank == 0 else RolloutFailed(str(e))) from None
 
         bar = None
         if rank == 0 and cfg.logging.progress:

@@ -78,7 +78,8 @@ def _sbatch_safe(value: str, what: str) -> str:
 
 
 def _embedded_paths(cfg, build: bool) -> None:
-    """Fill model.hf_dir / data.train_jsonl of the embedded tiny job (built when `build`)."""
+    """Fill model.hf_dir / data.train_jsonl of the embedded tiny job: the cold-started tiny model,
+    as `mgrpo train` uses (built when `build`; a dry run names the directory the launch would build)."""
     if cfg.model.hf_dir is not None and cfg.data.train_jsonl is not None:
         return
     if build:
@@ -87,9 +88,10 @@ def _embedded_paths(cfg, build: bool) -> None:
         ensure_embedded_inputs(cfg)
         return
     from megatron_grpo.config import default_cache_dir
+    from megatron_grpo.run.embedded import cold_start_dir
 
     if cfg.model.hf_dir is None:
-        cfg.model.hf_dir = str(default_cache_dir() / "tiny-omni")
+        cfg.model.hf_dir = str(cold_start_dir(cfg) / "hf")
     if cfg.data.train_jsonl is None:
         cfg.data.train_jsonl = str(default_cache_dir() / "audio-agent-data" / "train.jsonl")
 
@@ -178,6 +180,10 @@ def check_model(cfg, plan: SlurmPlan) -> Optional[str]:
     """None when model.hf_dir is a checkpoint the layout fits and the training data exists; else the
     problem, in one line."""
     hf = Path(cfg.model.hf_dir)
+    from megatron_grpo.run.embedded import ensure_tiny, is_cold_start_dir
+
+    if is_cold_start_dir(hf.parent) and not (hf / "config.json").is_file():
+        hf = ensure_tiny()  # a dry run's embedded cold start, not built yet: the tiny checkpoint's shapes
     if not (hf / "config.json").is_file():
         return (f"model.hf_dir {str(hf)!r} is not an HF checkpoint directory (no config.json) on this machine; "
                 "the rollout nodes serve it and the trainer nodes load it, so it must be on a shared file system")

@@ -258,7 +258,8 @@ class RolloutConfig:
                 raise ValueError(f"rollout.reward_weights must be a list of numbers, got {self.reward_weights!r}")
             if len(self.reward_weights) != len(self.reward_funcs):
                 raise ValueError(f"rollout.reward_weights has {len(self.reward_weights)} entries for "
-                                 f"{len(self.reward_funcs)} reward_funcs {self.reward_funcs}")
+                                 f"{len(self.reward_funcs)} reward_funcs {self.reward_funcs}: give one weight per "
+                                 "reward, or rollout.reward_weights=null for 1.0 each")
             self.reward_weights = [float(w) for w in self.reward_weights]
         if not isinstance(self.return_routed_experts, bool):
             raise ValueError(f"rollout.return_routed_experts must be true or false, got {self.return_routed_experts!r}")

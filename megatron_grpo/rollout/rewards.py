@@ -16,6 +16,8 @@ Built-ins (see each docstring for the exact rule):
   > 0.1, else 0.0 (`make_iou_reward` builds other tiers).
 * ``iou_raw``: the IoU itself, in [0, 1].
 * ``think_length``: length and repetition of the think block (`think_length_reward`).
+* ``tool_call``: 1.0 when a turn before the answer made a well-formed ``crop_audio`` call
+  (`tool_call_reward`); keeps an agent calling its tool while the other rewards score the answer.
 """
 from __future__ import annotations
 
@@ -26,10 +28,11 @@ import re
 from typing import Callable, Optional, Sequence
 
 from megatron_grpo.data.schema import SPAN_PATTERN
+from megatron_grpo.rollout.tools import parse_tool_calls
 
 __all__ = ["span_iou", "extract_answer", "extract_think", "find_spans", "format_reward",
            "make_iou_reward", "iou_reward", "iou_raw_reward", "think_length_reward",
-           "make_think_length_reward", "repetition_ratio", "BUILTIN_REWARDS", "DEFAULT_IOU_TIERS",
+           "make_think_length_reward", "repetition_ratio", "tool_call_reward", "BUILTIN_REWARDS", "DEFAULT_IOU_TIERS",
            "compute_rewards", "check_reward_fn", "RewardError"]
 
 DEFAULT_IOU_TIERS = ((0.8, 2.0), (0.4, 1.0), (0.1, 0.5))
@@ -217,12 +220,33 @@ def answer_chars_reward(completions: list[str], **kwargs) -> list[float]:
         out.append(sum(ch in SPAN_CHARS for ch in chars) / len(chars) if chars else 0.0)
     return out
 
+def tool_call_reward(completions: list[str], completion_texts=None, **kwargs) -> list[float]:
+    """1.0 when a turn before the last (a call the rollout executed) holds a ``crop_audio``
+    ``<tool_call>`` whose JSON parses with numeric ``0 <= start_sec < end_sec``; else 0.0.
+
+    ``think_length`` and ``format`` score the last turn only, so a policy earns them as well by
+    answering at once; this term keeps the tool call worth making."""
+    if completion_texts is None:
+        raise RewardError("the tool_call reward needs completion_texts (every generated turn)")
+
+    def ok(call) -> bool:
+        a = call.arguments
+        s, e = a.get("start_sec"), a.get("end_sec")
+        return (call.error is None and call.name == "crop_audio"
+                and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (s, e))
+                and 0 <= s < e)
+
+    return [1.0 if any(ok(c) for turn in (texts or [])[:-1] for c in parse_tool_calls(turn)) else 0.0
+            for texts in completion_texts]
+
+
 BUILTIN_REWARDS: dict[str, Callable] = {
     "format": format_reward,
     "iou": iou_reward,
     "iou_raw": iou_raw_reward,
     "think_length": think_length_reward,
     "answer_chars": answer_chars_reward,
+    "tool_call": tool_call_reward,
 }
 
 

@@ -76,5 +76,8 @@ def test_overrides_without_a_yaml_change_the_embedded_job_and_nothing_else():
     cfg = load_train_config(None, ["rollout.overlap=true"])
     assert cfg.rollout == dataclasses.replace(base.rollout, overlap=True)
     assert dataclasses.replace(cfg, rollout=base.rollout) == base
-    one = load_train_config(None, ["rollout.reward_funcs=[format]"])
+    with pytest.raises(ConfigKeyError, match=r"rollout.reward_weights has 4 entries for 1 reward_funcs \['format'\]: "
+                                             r"give one weight per reward, or rollout.reward_weights=null for 1.0 each"):
+        load_train_config(None, ["rollout.reward_funcs=[format]"])  # the embedded job weighs its 4 rewards
+    one = load_train_config(None, ["rollout.reward_funcs=[format]", "rollout.reward_weights=null"])
     assert one.rollout.reward_funcs == ["format"] and one.rollout.max_new_tokens == base.rollout.max_new_tokens

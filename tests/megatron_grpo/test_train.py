@@ -19,11 +19,14 @@ REPO = Path(__file__).resolve().parents[2]
 CACHE = Path(os.environ.get("MGRPO_TEST_CACHE", REPO / ".cache" / "tests"))  # as tests/conftest.py
 
 REWARD_STEPS = 6
-"""At the default lr 2e-4 the reward climbs from ~0.01 at steps 1-2 to 0.35-0.99 at steps 5-6 on
-every seed of docs/training.md's sweep (slowest: seed 3, 0.009, 0.019 -> 0.352, 0.485); a policy
-that collapses (lr too high) or does not learn stays near 0."""
-REWARD_MARGIN = 0.05
-"""The mean reward of the last 2 steps must beat that of the first 2 by at least this much."""
+"""Steps of the embedded-default run. The default is the audio-agent task from the cached tiny
+cold start (megatron_grpo/run/embedded.py; built once per test cache, 280 s on 2 busy cores):
+its reward rises over 20 steps (docs/sft.md) but moves by about as much from step to step as it
+gains in 6, so this run checks that the agent loop runs and that every step has a learning signal."""
+MIN_TURNS = (1.25, 1.7)
+"""(every step, the mean of the steps): the cold start calls crop_audio. A model that answers at
+once (the raw tiny model, or one that learned to skip the tool) has `turns/mean` 1.0 (docs/sft.md);
+the cold start gives about 1.95 on average, 1.47-1.72 on the steps of the hardest prompts."""
 
 
 def _remote(server) -> list[str]:
@@ -132,6 +135,7 @@ def test_bad_data_row_fails_before_any_rank_or_server_starts(mgrpo_inproc, tmp_p
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith(f"mgrpo train: data error: {bad} line 1: missing 'audios'"), last
     assert "vllm" not in (r.stdout + r.stderr).lower()
+    assert "cold start" not in r.stdout + r.stderr  # the data is checked before the cold start's minutes
     assert not (tmp_path / "run" / "vllm-server.log").exists()
 
 
@@ -145,11 +149,13 @@ def test_embedded_default_learns_checkpoints_and_resumes(remote_server, tmp_path
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     m = _metrics(run)
     assert [x["step"] for x in m] == list(range(1, REWARD_STEPS + 1))
-    first = sum(x["reward/mean"] for x in m[:2]) / 2
-    last = sum(x["reward/mean"] for x in m[-2:]) / 2
-    print(f"reward: first 2 steps {first:.4f}, last 2 steps {last:.4f}; "
+    print(f"turns/mean {[x['turns/mean'] for x in m]}, reward/mean {[round(x['reward/mean'], 3) for x in m]}; "
           f"step time {sum(x['time/step'] for x in m) / len(m):.1f} s")
-    assert last >= first + REWARD_MARGIN, [round(x["reward/mean"], 4) for x in m]
+    turns = [x["turns/mean"] for x in m]
+    assert min(turns) >= MIN_TURNS[0] and sum(turns) / len(turns) >= MIN_TURNS[1], turns
+    assert all(x["reward/tool_call"] > 0 for x in m), [x["reward/tool_call"] for x in m]  # executed, well-formed
+    assert all(x["reward/frac_zero_std"] < 1 for x in m), [x["reward/frac_zero_std"] for x in m]
+    assert all(x["reward/std"] > 0 and x["grad_norm"] > 0 for x in m)  # every step had advantages to learn from
     assert (run / "curves.png").stat().st_size > 1000
     assert any((run / "tensorboard").iterdir())
     # step 3's checkpoint was written and then dropped (keep_last=1)
@@ -213,7 +219,7 @@ def test_zero_std_groups_are_counted_and_a_streak_is_announced_once(capsys):
 
 
 def test_unknown_reward_or_plugin_fails_before_any_rank_or_server_starts(mgrpo_inproc, tmp_path):
-    r = mgrpo_inproc("train", "rollout.reward_funcs=[iuo]", f"trainer.run_dir={tmp_path / 'a'}")
+    r = mgrpo_inproc("train", "rollout.reward_funcs=[iuo]", "rollout.reward_weights=null", f"trainer.run_dir={tmp_path / 'a'}")
     assert r.returncode == 2, r.stderr[-2000:]
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("mgrpo train: config error: unknown reward function 'iuo' (did you mean 'iou'?); "

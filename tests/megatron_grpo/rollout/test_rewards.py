@@ -127,3 +127,28 @@ def test_answer_chars_shaping_reward():
     from megatron_grpo.rollout.rewards import answer_chars_reward
 
     assert answer_chars_reward(["[00:01 - 00:05]", "ab 12", "", "  \n"]) == [1.0, 0.5, 0.0, 0.0]
+
+
+def test_tool_call_reward_scores_an_executed_well_formed_crop():
+    def call(body):
+        return f"<think>\nLook closer.\n</think>\n\n<tool_call>\n{body}\n</tool_call>"
+
+    crop = call('{"name": "crop_audio", "arguments": {"start_sec": 8, "end_sec": 17.5}}')
+    texts = [
+        [crop, GOOD],                                   # called, then answered
+        [crop, crop, GOOD],                             # two crops
+        [GOOD],                                         # answered at once
+        [crop],                                         # the call is the last turn: never executed
+        [call('{"name": "crop_audio", "arguments": {"start_sec": 8, "end_sec": 8}}'), GOOD],      # empty span
+        [call('{"name": "crop_audio", "arguments": {"start_sec": -1, "end_sec": 3}}'), GOOD],     # before 0
+        [call('{"name": "crop_audio", "arguments": {"start_sec": "8", "end_sec": 9}}'), GOOD],    # not a number
+        [call('{"name": "crop_audio", "arguments": {"start_sec": 8, "end_sec": 9.}'), GOOD],      # bad JSON
+        [call('{"name": "zoom", "arguments": {"start_sec": 8, "end_sec": 9}}'), GOOD],            # another tool
+        ["I will crop 8 to 9 seconds.", GOOD],                                                     # no <tool_call>
+    ]
+    assert R.tool_call_reward([t[-1] for t in texts], completion_texts=texts) == [1.0, 1.0] + [0.0] * 8
+    trajs = [_traj(GOOD)]  # through compute_rewards, which passes every turn's text
+    trajs[0].completion_texts = [crop, GOOD]
+    assert asyncio.run(R.compute_rewards(trajs, [("tool_call", R.BUILTIN_REWARDS["tool_call"])], [0.5])) == [0.5]
+    with pytest.raises(R.RewardError, match="the tool_call reward needs completion_texts"):
+        R.tool_call_reward([GOOD])
