@@ -55,8 +55,9 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["M2NUnfit", "M2NPiece", "M2NPlan", "describe", "validate", "unfit_reason", "make_source", "push_m2n",
-           "M2NLink"]
+from megatron_grpo.weight_sync.m2n_link import shutdown_engine
+
+__all__ = ["M2NUnfit", "M2NPiece", "M2NPlan", "describe", "validate", "unfit_reason", "make_source", "push_m2n"]
 
 REPLICATE = -1  # vLLM's placement code for a replicating mesh axis (m2n_common.REPLICATE)
 MAX_TENSOR_DIMS = 3  # ncclReshard's limit (m2n_common.MAX_TENSOR_DIMS)
@@ -363,41 +364,6 @@ def make_source(plan: M2NPlan):
 _ENGINES: dict[int, Any] = {}
 
 
-class M2NLink:
-    """`WeightReceiver` transport for a server started with ``--weight-transfer-config
-    '{"backend": "nccl_m2n"}'``: holds rank 0's vLLM trainer engine for that server. Pushes go
-    through `push_m2n` (every trainer rank), never through `push.push`."""
-
-    backend = "nccl_m2n"
-
-    def __init__(self, master_address: str = "127.0.0.1"):
-        self.master_address = master_address
-        self.engine = None
-        self.names: list[str] = []
-        """The parameters the engine announced at init (a new list needs a new engine)."""
-        self.sender_ranks = [0]
-
-    @property
-    def connected(self) -> bool:
-        return self.engine is not None
-
-    def prepare(self, world_size: int) -> dict:
-        raise NotImplementedError("an nccl_m2n server takes pushes from every trainer rank: use "
-                                  "weight_sync.m2n.push_m2n (weight_sync.mode multisource), not push()")
-
-    def close(self) -> None:
-        engine, self.engine = self.engine, None
-        _shutdown(engine)
-
-
-def _shutdown(engine) -> None:
-    if engine is not None:
-        try:
-            engine.shutdown()
-        except Exception:  # noqa: BLE001 - dropping it anyway
-            pass
-
-
 class _ControlPlane:
     """vLLM's `VLLMWeightSyncClient` for rank 0's engine: init and `/update_weights` go to the server;
     start and finish are `PushSteps`' (every server started before the transfers, finished with the
@@ -543,7 +509,7 @@ def _follow(source, version: str) -> None:
             raise WeightPushError(f"(from trainer rank 0) {msg['error']}", server=None, version=version,
                                   stage=msg["stage"], states={})
         if "connect" in msg:
-            _shutdown(_ENGINES.pop(msg["connect"], None))
+            shutdown_engine(_ENGINES.pop(msg["connect"], None))
             _ENGINES[msg["connect"]] = _engine(msg, dist.get_rank(), dist.get_world_size(), None, source)
             continue
         break
@@ -560,4 +526,4 @@ def _follow(source, version: str) -> None:
 
 def _drop_engines() -> None:
     for i in list(_ENGINES):
-        _shutdown(_ENGINES.pop(i))
+        shutdown_engine(_ENGINES.pop(i))

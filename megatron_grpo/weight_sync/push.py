@@ -98,7 +98,7 @@ def _make_transport(backend: str, master_address: str, timeout_s: float, bucket_
         kw = {"packed_buffer_size_bytes": bucket_bytes} if bucket_bytes else {}
         return NcclTransport(master_address=master_address, **kw)
     if backend == "nccl_m2n":
-        from megatron_grpo.weight_sync.m2n import M2NLink
+        from megatron_grpo.weight_sync.m2n_link import M2NLink
         return M2NLink(master_address=master_address)
     raise ValueError(f"unknown weight transfer backend {backend!r} (gloo, nccl or nccl_m2n)")
 

@@ -23,7 +23,8 @@ def _write(tmp_path, body, name="plug.py"):
 
 def test_builtins():
     reg = builtin_registry()
-    assert sorted(reg.rewards) == ["answer_chars", "format", "iou", "iou_raw", "think_length"]
+    assert sorted(reg.rewards) == ["answer_chars", "format", "iou", "iou_raw", "think_length",
+                                  "tool_call"]
     assert list(reg.tools.tools) == ["crop_audio"]
     assert reg.policy_class(None) is HermesToolPolicy
     assert reg.policy_class("single_turn") is MultiTurnPolicy
