@@ -2,7 +2,7 @@
 streaming HF <-> dist-checkpoint converters behind ``mgrpo convert``.
 
 Format. A directory written by megatron-core's ``dist_checkpointing`` (``metadata.json`` says
-``torch_dist``; ``common.pt``; ``__R_I.distcp`` data files with a ``.metadata`` index) plus
+``torch_dist``; ``common.pt`` before megatron-core 0.19; ``__R_I.distcp`` data files with a ``.metadata`` index) plus
 :data:`META_FILE`, a small JSON with the model name, a fingerprint of the model spec
 (:func:`spec_fingerprint`), the HF source it came from, the layout it was written at and the
 versions. Every tensor is stored as one *global* tensor (decoder layers stacked along a layer axis,

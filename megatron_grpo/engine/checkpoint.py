@@ -5,7 +5,8 @@ Layout (``run_dir/checkpoints/``)::
     latest                        text: "step_00000012" -- written last, atomically (tmp + rename)
     step_00000012/                one complete checkpoint (megatron dist_checkpointing, torch_dist)
         mgrpo_checkpoint.json     our metadata; its presence marks the directory complete
-        metadata.json, common.pt  megatron's: format, the common (rank-0) state
+        metadata.json, common.pt  megatron's: format, the common (rank-0) state (megatron-core >= 0.19
+                                  keeps the common state in the .distcp files instead of common.pt)
         __*_*.distcp              the sharded tensors and objects of every rank
     .tmp-step_00000014/           a save in progress, or one that died: ignored on load (warning)
 
@@ -16,8 +17,9 @@ What one checkpoint holds (every rank contributes its shards), in a layout-free 
   megatron ``sharded_state_dict()`` (DDP / Float16Module wrappers stripped), vocab-parallel
   tensors with the real vocab's rows only (the padding depends on TP);
 * ``optimizer``: ``tensors``: the distributed optimizer's fp32 main parameters and Adam moments
-  in megatron's ``fully_reshardable`` form (model-shaped, keyed by parameter; gathered over DP
-  before the write), ``common``: one list of param groups (hyper-parameters, step);
+  in megatron's ``fully_reshardable`` form (model-shaped, keyed by parameter; each written by one
+  DP rank, built one bucket at a time: ``engine/optim_state.py``), ``common``: one list of param
+  groups (hyper-parameters, step);
 * ``scheduler``: ``OptimizerParamScheduler.state_dict()`` and the step (common state, rank 0);
 * ``rank_state``: one object per rank (a ``ShardedObject`` of shape ``[world]``): its RNG states
   (Python, NumPy, torch CPU, torch CUDA, megatron's TP/EP RNG tracker) and ``extra_state`` (the
@@ -62,6 +64,7 @@ from typing import Any, Optional
 import torch
 
 from megatron_grpo.engine.ckpt_rng import HOST_STREAMS, agreeing_host_streams, rng_state, set_host_rng, set_rng_state
+from megatron_grpo.engine.optim_state import light_fully_reshardable
 from megatron_grpo.engine.reshard import (FULLY_RESHARDABLE, check_resumable, describe_layout, layout_changed,
                                           join_optimizer_sd, optimizer_metadata, repad_vocab, split_optimizer_sd,
                                           unpad_vocab, vocab_keys)
@@ -248,7 +251,8 @@ def _fix_shared_adam_steps(optimizer) -> None:
 
 
 def _optimizer_sharded_state_dict(optimizer, model_sd: dict, is_loading: bool, sharding: str):
-    return optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=optimizer_metadata(sharding))
+    with light_fully_reshardable(optimizer):  # no whole-buffer copies (engine/optim_state.py)
+        return optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=optimizer_metadata(sharding))
 
 
 def _sharded_state_dict(chunks, optimizer, is_loading: bool, sharding: str, unpadded: bool) -> tuple[dict, list]:

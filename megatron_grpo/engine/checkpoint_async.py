@@ -16,8 +16,7 @@ picks: a run that dies during the write resumes from the checkpoint before. :met
 blocks until the write is done and finishes it (before the next save, at a preemption, at the end).
 
 Costs: host memory for one copy of this rank's shards while the write runs (pinned on GPU, for a
-fast device-to-host copy; on CPU the copies megatron's planning makes anyway) and the time of that
-copy inside the step; the write itself (disk bandwidth) is off the step.
+fast device-to-host copy) and the time of that copy inside the step; the write itself (disk bandwidth) is off the step.
 """
 from __future__ import annotations
 
@@ -40,12 +39,12 @@ log = logging.getLogger(__name__)
 
 def snapshot_write_buckets(buckets: list) -> list:
     """megatron's write buckets ``[(path, name, (bytes_data, [(item, tensor), ...])), ...]`` with
-    every device tensor replaced by a pinned host copy (one non-blocking copy each, one sync).
-    CPU tensors stay as megatron planned them: its planning already cloned every CPU tensor that
-    is a view (the parameters and gradients live in DDP's flat buffers), and the optimizer's
-    ``fully_reshardable`` states are gathered into new tensors -- so none is the live storage that
-    the next step changes (tests/megatron_grpo/engine/test_checkpoint.py holds the write until the
-    next step is done and resumes bit-identically)."""
+    every tensor replaced by a copy that the next steps cannot change: device tensors by pinned
+    host copies (one non-blocking copy each, one sync), CPU tensors by plain copies. CPU tensors
+    can be the live state too: at DP 1 the optimizer's states are saved from the optimizer's own
+    tensors (``engine/optim_state.py``), which the next step updates in place
+    (tests/megatron_grpo/engine/test_checkpoint.py holds the write until the next step is done and
+    resumes bit-identically)."""
     cuda = False
     out = []
     for path, name, (bytes_data, tensor_data) in buckets:
@@ -55,6 +54,8 @@ def snapshot_write_buckets(buckets: list) -> list:
                 c = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
                 c.copy_(t.detach(), non_blocking=True)
                 t, cuda = c, True
+            else:
+                t = t.detach().clone()
             copies.append((item, t))
         out.append((path, name, (bytes_data, copies)))
     if cuda:

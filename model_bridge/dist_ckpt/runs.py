@@ -66,12 +66,18 @@ def list_checkpoints(run_dir: os.PathLike | str) -> list[tuple[int, Path]]:
     return sorted(out)
 
 
+COMMON_STATE_FQN = "common_state"
+"""megatron-core >= 0.19 keeps the common (non-tensor) state as this object inside the torch_dist
+files; older versions write it to ``common.pt``."""
+
+
 def checkpoint_problem(path: Path) -> Optional[str]:
     """Why the checkpoint files under ``path`` cannot be loaded (one line naming the file), or None.
-    Checks what can be checked without reading the tensors: megatron's ``metadata.json`` and
-    ``common.pt`` are there, torch's ``.metadata`` reads, and every data file it points into
-    exists and is long enough."""
-    for name in ("metadata.json", "common.pt", ".metadata"):
+    Checks what can be checked without reading the tensors: megatron's ``metadata.json`` is there,
+    torch's ``.metadata`` reads, the common state is there (``common.pt``, or megatron-core >=
+    0.19's ``common_state`` object), and every data file the metadata points into exists and is
+    long enough."""
+    for name in ("metadata.json", ".metadata"):
         if not (path / name).is_file():
             return f"{path / name} is missing"
     try:
@@ -81,6 +87,8 @@ def checkpoint_problem(path: Path) -> Optional[str]:
         storage = FileSystemReader(str(path)).read_metadata().storage_data
     except Exception as e:  # noqa: BLE001 - any damage: name the file
         return f"{path / '.metadata'} (or metadata.json) cannot be read: {type(e).__name__}: {str(e)[:200]}"
+    if not (path / "common.pt").is_file() and not any(i.fqn.startswith(COMMON_STATE_FQN) for i in storage):
+        return f"{path / 'common.pt'} is missing"
     need: dict[str, int] = {}
     for info in storage.values():
         need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)

@@ -22,13 +22,17 @@ def _buckets(device: str):
     return [("/x/__0_0.distcp", "__0_0.distcp", ([("obj", blob)], [("a", a), ("b", b)]))], (a, b, blob)
 
 
-def test_cpu_tensors_are_handed_on_as_megatron_planned_them():
+def test_cpu_tensors_become_copies_of_that_moment():
     buckets, (a, b, blob) = _buckets("cpu")
+    want_a, want_b = a.clone(), b.clone()
     ((path, name, (bytes_data, tensor_data)),) = snapshot_write_buckets(buckets)
+    a.add_(1.0)  # the next step changes the live tensors in place (at DP 1: the optimizer's own)
+    b.mul_(2.0)
     assert (path, name) == ("/x/__0_0.distcp", "__0_0.distcp")
     assert bytes_data[0][1] is blob
     assert [item for item, _ in tensor_data] == ["a", "b"]
-    assert tensor_data[0][1] is a and tensor_data[1][1] is b  # megatron's planning made the copies
+    (_, ca), (_, cb) = tensor_data
+    assert torch.equal(ca, want_a) and torch.equal(cb, want_b) and cb.dtype == torch.bfloat16
 
 
 @pytest.mark.gpu
