@@ -250,6 +250,17 @@ def _fix_shared_adam_steps(optimizer) -> None:
                 st["step"] = torch.tensor(float(value), dtype=st["step"].dtype, device=st["step"].device)
 
 
+def _mcore_async_strategy(save_fn, async_write: bool) -> dict:
+    """megatron-core >= 0.19 defaults an asynchronous save to the ``nvrx`` strategy, which needs
+    nvidia-resiliency-ext (not installed with megatron-core); ``mcore`` is the writer that older
+    versions use, whose request ``checkpoint_async`` runs."""
+    import inspect
+
+    if async_write and "async_strategy" in inspect.signature(save_fn).parameters:
+        return {"async_strategy": "mcore"}
+    return {}
+
+
 def _optimizer_sharded_state_dict(optimizer, model_sd: dict, is_loading: bool, sharding: str):
     with light_fully_reshardable(optimizer):  # no whole-buffer copies (engine/optim_state.py)
         return optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=optimizer_metadata(sharding))
@@ -460,7 +471,8 @@ def begin_save(run_dir: os.PathLike | str, step: int, model_chunks, optimizer, s
             sd["mgrpo"] = {"format": CHECKPOINT_FORMAT, "step": step}
             sd["rank_state"] = ShardedObject("mgrpo.rank_state", _pack({"rng": rng_state(), "extra": extra_state}),
                                              (world,), (rank,), replica_id=0)
-            request = dist_checkpointing.save(sd, str(tmp), async_sharded_save=async_write)
+            request = dist_checkpointing.save(sd, str(tmp), async_sharded_save=async_write,
+                                              **_mcore_async_strategy(dist_checkpointing.save, async_write))
         except BaseException as e:  # noqa: BLE001
             error = e
     _raise_if_any_failed(error, f"saving step {step}")
