@@ -1,4 +1,5 @@
 """gloo transport without vLLM: a second process plays the worker (join_gloo_group + recv_bucket)."""
+import io
 import multiprocessing as mp
 import time
 
@@ -22,7 +23,11 @@ def _worker(init_info, metas, q):
         got = []
         for m in metas:
             got += [(n, t.clone()) for n, t in recv_bucket(pg, **m)]
-        q.put(got)
+        # as bytes: tensors put on a queue travel as shared-memory handles that this process serves,
+        # and it may have exited before the test reads them
+        buf = io.BytesIO()
+        torch.save(got, buf)
+        q.put(buf.getvalue())
     except BaseException as e:  # noqa: BLE001
         q.put(repr(e))
 
@@ -49,6 +54,7 @@ def test_gloo_round_trip_is_bit_exact():
         if p.is_alive():
             p.kill()
     assert not isinstance(got, str), got
+    got = torch.load(io.BytesIO(got))
     assert [n for n, _ in got] == [n for n, _ in weights]
     for (_, x), (_, y) in zip(got, weights):
         assert x.dtype == y.dtype and torch.equal(x, y)
