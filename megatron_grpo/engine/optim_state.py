@@ -55,22 +55,22 @@ def _sharded_metadata(model_sd: dict) -> dict:
     return {sh.data: sh for sh in nested_values(tensors)}
 
 
-def _bucket_states(opt, gbuf_idx: int, bucket_idx: int, range_map: dict, first_index: int) -> dict:
+def _bucket_states(opt, gbuf_idx: int, bucket_idx: int, range_map: dict, writers: dict) -> dict:
     """{model param: {key: full model-shaped state}} for the parameters of one bucket that this DP
-    rank writes. `first_index` is the bucket's first parameter's index in the buffer's order (the
-    writer of index i is DP rank i % DP)."""
+    rank writes (`writers`: model param -> its writer's DP rank)."""
     import torch.distributed as dist
 
     group = opt.data_parallel_group
     dp, dp_rank = group.size(), group.rank()
-    params = _bucket_params(opt.buffers[gbuf_idx], bucket_idx)
+    buffer = opt.buffers[gbuf_idx]
+    params = [p for p, (_, _, b) in buffer.param_index_map.items() if b == bucket_idx]
     if dp == 1:
         out = {}
         for p in params:
             tensors = opt._get_main_param_and_optimizer_states(p)
             out[p] = {k: _own_storage(tensors[k].view(p.shape)) for k in STATE_KEYS}
         return out
-    bucket = opt.buffers[gbuf_idx].buckets[bucket_idx]
+    bucket = buffer.buckets[bucket_idx]
     local_numel = bucket.grad_data.numel() // dp
     device = bucket.grad_data.device
     gathered = {}
@@ -83,20 +83,14 @@ def _bucket_states(opt, gbuf_idx: int, bucket_idx: int, range_map: dict, first_i
         dist.all_gather(parts, local, group=group)
         gathered[key] = torch.cat(parts)
         del parts, local
-    index_map = opt.buffers[gbuf_idx].param_index_map
     out = {}
-    for i, p in enumerate(params):
-        if (first_index + i) % dp != dp_rank:
+    for p in params:
+        if writers[p] != dp_rank:
             continue
-        start, end, _ = index_map[p]
+        start, end, _ = buffer.param_index_map[p]
         s, e = start - bucket.offset, end - bucket.offset
         out[p] = {k: gathered[k][s:e].view(p.shape).to("cpu", copy=True) for k in STATE_KEYS}
     return out
-
-
-def _bucket_params(buffer, bucket_idx: int) -> list:
-    """The bucket's parameters in the buffer's order (megatron's ``param_index_map``)."""
-    return [p for p, (_, _, b) in buffer.param_index_map.items() if b == bucket_idx]
 
 
 def _placeholder(shape: torch.Size) -> torch.Tensor:
@@ -140,15 +134,14 @@ def fully_reshardable_param_state(opt, model_sd: dict) -> dict:
     out: dict = {}
     index = 0
     for gbuf_idx, maps, buffer in _buffers(opt):
-        first = {}
-        for i, (_, (_, _, b)) in enumerate(buffer.param_index_map.items()):
-            first.setdefault(b, index + i)
+        # the writer of the parameter at index i (megatron's order) is DP rank i % DP
+        writers = {p: (index + i) % dp for i, p in enumerate(buffer.param_index_map)}
         mine: dict = {}
         for bucket_idx, range_map in enumerate(maps):
-            mine.update(_bucket_states(opt, gbuf_idx, bucket_idx, range_map, first.get(bucket_idx, index)))
+            mine.update(_bucket_states(opt, gbuf_idx, bucket_idx, range_map, writers))
         for p in buffer.param_index_map:
             sh = _metadata_of(meta, p)
-            rid = _as_replica(sh, dp_rank, index % dp, dp)  # the writer, DP rank index % DP, is replica 0
+            rid = _as_replica(sh, dp_rank, writers[p], dp)  # the writer is replica 0
             out[index] = {k: _sharded(sh, k, mine[p][k] if p in mine else _placeholder(p.shape), rid)
                           for k in STATE_KEYS}
             index += 1
