@@ -167,6 +167,11 @@ class TrainerSection:
     width (128 experts) the last decoder layer's expert ``weight2`` gradient comes out NaN under
     graphs and finite eagerly (docs/performance.md, "Training phase"); graphs equal eager at tiny
     width."""
+    shared_clips: bool = True
+    """A clip several samples of a rank's step use (a GRPO group's recording) goes through the audio
+    tower once per step: a first pass, then one recomputation for the backward of all its uses
+    (``model_bridge/modeling/shared_audio.py``; the same gradients up to summation order). false:
+    once per sample, forward and backward."""
     device_features: bool = True
     """On GPU, compute the audio clips' log-mel features on the device
     (``data/device_features.py``, the Whisper extractor's math in torch, within 2e-3 of it) instead

@@ -324,7 +324,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
                     plan = plan_step([t.num_tokens for t in trajs], run.dp_size, run.packing)  # 4. pack
                     mbs = build_train_microbatches(trajs, plan, run.dp_rank, run.packing, featurize=run.featurize,
                                                    n_window=engine.spec.audio.n_window,
-                                                   routes=cfg.rollout.routing_replay == "r3")
+                                                   routes=cfg.rollout.routing_replay == "r3",
+                                                   share_clips=cfg.trainer.shared_clips)
                     check_schedule(StepSchedule.from_microbatches(step, mbs))
                     lps = {} if run.kept.wants(step) else None
                     with wd.collective("train_step"):                       # 5. train step

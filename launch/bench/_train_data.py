@@ -11,8 +11,10 @@ A trajectory, as the rollout engine records one (token ids, loss mask, rollout l
 * the answer: 12-32 generated tokens.
 
 Recordings last ``record_s`` (default 10 s to 5 min, uniform), tool clips ``crop_s`` (5-30 s), as the
-issue's audio agent sees them; a sample whose tokens would exceed the micro-batch budget gets a
-shorter recording (the packer refuses samples over the budget, as ``mgrpo train`` does by default).
+issue's audio agent sees them. The ``group_size`` samples of a prompt share its recording (one array
+object, as the rollout hands a prompt's generations the same clip); each has its own crops. A group
+whose samples would exceed the micro-batch budget gets a shorter recording (the packer refuses
+samples over the budget, as ``mgrpo train`` does by default).
 Audio-token counts follow vLLM's rule (``data.features``: frames ``ceil(N / 160)``, 13 tokens per
 100 frames). Waveforms are band-limited noise (float32, 16 kHz) featurised by the checkpoint's real
 Whisper feature extractor in the bench. Token ids are random below the first special id; rewards
@@ -60,7 +62,7 @@ def synth_trajectories(n: int, spec, *, max_tokens: int, seed: int = 0, group_si
     def n_audio(wave) -> int:
         return int(audio_token_count(num_frames(len(wave)), n_window))
 
-    out = []
+    plans = []  # per sample: its tool turns, crops and text; the recording is its group's
     for i in range(n):
         crops = [_noise(rng, rng.uniform(*ranges["crop_s"])) for _ in range(int(rng.integers(1, 4)))]
         turns = [(_text(rng, 16, 48, vocab_hi), _text(rng, 4, 8, vocab_hi), _text(rng, 4, 8, vocab_hi))
@@ -68,12 +70,17 @@ def synth_trajectories(n: int, spec, *, max_tokens: int, seed: int = 0, group_si
         pre, post, answer = _text(rng, 24, 64, vocab_hi), _text(rng, 8, 16, vocab_hi), _text(rng, 12, 32, vocab_hi)
         fixed = len(pre) + len(post) + len(answer) + 2 + sum(len(a) + len(b) + len(c) + 2 + n_audio(w)
                                                             for (a, b, c), w in zip(turns, crops))
-        record_s = rng.uniform(*ranges["record_s"])
         room_s = (max_tokens - fixed) / 13.0 - 0.2  # 13 audio tokens per second of audio
         if room_s < ranges["crop_s"][0]:
             raise ValueError(f"--mb-tokens {max_tokens} leaves no room for a recording (the turns take {fixed} "
                              "tokens); raise it")
-        record = _noise(rng, min(record_s, room_s))
+        plans.append((crops, turns, pre, post, answer, room_s))
+    records = []  # one recording object per group, as the rollout gives a prompt's generations
+    for g in range(0, n, group_size):
+        room_s = min(p[-1] for p in plans[g:g + group_size])
+        records += [_noise(rng, min(rng.uniform(*ranges["record_s"]), room_s))] * len(plans[g:g + group_size])
+    out = []
+    for i, ((crops, turns, pre, post, answer, _), record) in enumerate(zip(plans, records)):
         ids, mask, lp = [], [], []
 
         def add(tokens, generated=False):

@@ -12,7 +12,9 @@ and optimizer) and the same trajectories; each is one "step" over the step's mic
   embedding, the decoder layers, the final norm, loss ``sum(hidden * R)`` (``bench layers``' ours);
 * ``stack_lm``: the same plus the fused LM-head logprob (``token_logprobs(..., lm_head_weight=)``,
   the trainer's) with loss = minus the mean logprob over the loss tokens;
-* ``audio``: the audio tower alone, fwd+bwd of each micro-batch's clips (``sum(out * R)``);
+* ``audio``: the audio tower alone as the trainer runs it (``OmniThinker.audio_rows``): fwd+bwd of
+  each micro-batch's own clips, and once per step the clips several samples share (a group's
+  recording: a first pass, then the recomputation in its last user's backward), ``sum(out * R)``;
 * ``h2d``: every micro-batch copied to the device (``TrainMicroBatch.to``, as the forward step does).
 
 The gradients of ``stack``/``stack_lm``/``audio`` go into the same DDP buffers and are zeroed after
@@ -36,14 +38,14 @@ def _sync(device) -> None:
 class TrainBench:
     """One engine, one list of trajectories, the systems above as methods returning their times (s)."""
 
-    def __init__(self, engine, trajectories, packing, step_cfg, featurize, device):
+    def __init__(self, engine, trajectories, packing, step_cfg, featurize, device, shared_clips: bool = True):
         import torch
 
         from megatron_grpo.engine.setup import unwrapped
         from megatron_grpo.packing import plan_step
 
         self.engine, self.trajs, self.packing, self.cfg, self.featurize = engine, trajectories, packing, step_cfg, featurize
-        self.device = device
+        self.device, self.shared_clips = device, shared_clips
         self.thinker = unwrapped(engine.model[0])
         self.step_no = 0
         self.lengths = [t.num_tokens for t in trajectories]
@@ -76,7 +78,7 @@ class TrainBench:
             return out
 
         return build_train_microbatches(self.trajs, plan, 0, self.packing, featurize=timed,
-                                        n_window=self.engine.spec.audio.n_window)
+                                        n_window=self.engine.spec.audio.n_window, share_clips=self.shared_clips)
 
     def train(self) -> dict:
         """``mgrpo train``'s step 3-4 as it runs (one sync, at the end)."""
@@ -176,10 +178,12 @@ class TrainBench:
 
         _sync(self.device)
         t0 = time.perf_counter()
+        for shared in {id(m.clip_use.shared): m.clip_use.shared for m in self.host_mbs if m.clip_use}.values():
+            shared.reset()  # as run_schedule does before a pass
         for host, t, probe in zip(self.host_mbs, self.dev_mbs, self.audio_probes):
             if probe is None:
                 continue
-            out = self.thinker.audio_tower(t.audio_features, host.audio_feature_lens)
+            out = self.thinker.audio_rows(t.audio_features, host.audio_feature_lens, host.clip_use)
             (out * probe).sum(dtype=torch.float32).backward()
         _sync(self.device)
         s = time.perf_counter() - t0

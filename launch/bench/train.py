@@ -53,7 +53,7 @@ SYSTEMS = ("train", "train_split", "stack", "stack_lm", "audio", "h2d")
 def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16, mb_tokens: int = 4096,
               systems=SYSTEMS, warmup: int = 1, iters: int = 3, seed: int = 0, tiny: bool = False,
               device: str | None = None, work_dir=None, host_features: bool = False, hf_dir=None,
-              cuda_graphs: bool = True) -> dict:
+              cuda_graphs: bool = True, shared_clips: bool = True) -> dict:
     """Run the benchmark (module docstring); write ``bench_train.json`` / ``.png`` under ``out_dir``."""
     import torch
 
@@ -103,7 +103,8 @@ def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16
         trajs = synth_trajectories(samples, engine.spec, max_tokens=mb_tokens, seed=seed,
                                    ranges=TINY_RANGES if tiny else None, n_window=engine.spec.audio.n_window)
         bench = TrainBench(engine, trajs, PackLimits(max_tokens_per_microbatch=mb_tokens, allow_oversized=True),
-                           StepConfig(max_consecutive_skips=10**6), featurize, dev)  # report, never stop
+                           StepConfig(max_consecutive_skips=10**6), featurize, dev,  # report, never stop
+                           shared_clips=shared_clips)
         say(f"{samples} samples, {bench.real_tokens} tokens ({bench.total_tokens} with padding) in "
             f"{len(bench.host_mbs)} micro-batches, {bench.num_clips} clips; {warmup} + {iters} rounds of "
             f"{', '.join(systems)}")
@@ -126,6 +127,8 @@ def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16
                "tokens_real": bench.real_tokens, "tokens_total": bench.total_tokens,
                "micro_batches": [m.num_tokens for m in bench.host_mbs], "audio_clips": bench.num_clips,
                "audio_seconds": sum(len(w) for t in trajs for w in t.audios) / 16000.0,
+               "audio_seconds_distinct": sum(len(w) for w in {id(w): w for t in trajs for w in t.audios}.values()) / 16000.0,
+               "shared_clips": shared_clips,
                "systems": {n: _summary(v, bench.real_tokens) for n, v in rows.items()},
                "optimizer_bound": optimizer_bound(engine, dev),
                "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None,
@@ -243,7 +246,7 @@ def _cmd(args: argparse.Namespace) -> int:
     run_bench(args.out, layers=args.layers, audio_layers=args.audio_layers, samples=args.samples,
               mb_tokens=args.mb_tokens, systems=systems, warmup=args.warmup, iters=args.iters, seed=args.seed,
               tiny=args.tiny, device=args.device, work_dir=args.work_dir, host_features=args.host_features,
-              hf_dir=args.hf_dir, cuda_graphs=not args.no_cuda_graphs)
+              hf_dir=args.hf_dir, cuda_graphs=not args.no_cuda_graphs, shared_clips=not args.no_shared_clips)
     return 0
 
 
@@ -265,6 +268,8 @@ def add_parser(bsub) -> argparse.ArgumentParser:
                    help="featurise on the host (the Whisper extractor) instead of on the device")
     s.add_argument("--no-cuda-graphs", action="store_true",
                    help="train eagerly; the bench replays CUDA graphs on GPU by default (mgrpo train: trainer.cuda_graphs, off by default)")
+    s.add_argument("--no-shared-clips", action="store_true",
+                   help="run a group's shared recording through the audio tower once per sample (trainer.shared_clips: false)")
     s.add_argument("--hf-dir", default=None, help="train this checkpoint instead of generating one (--tiny: its "
                                                  "clip lengths)")
     s.add_argument("--work-dir", default=None, help="where the generated checkpoint goes (default --out)")

@@ -12,7 +12,10 @@ A :class:`TrainMicroBatch` holds, on the CPU until :meth:`TrainMicroBatch.to`:
   ``old_logprobs_T`` / ``ref_logprobs_T`` (token-aligned, see ``engine.logprobs``);
 * the audio of its samples, in packing order then clip order: ``audio_features [M, F]`` and
   ``audio_feature_lens [A]`` (``None`` when no sample has audio: the thinker then runs its tower on
-  a dummy clip, hang invariant 2).
+  a dummy clip, hang invariant 2); a clip that several samples of the rank's step use (a GRPO
+  group's recording is one object in each of its generations) is left out of them and named in
+  ``clip_use`` instead, so the tower runs once per step on it, not once per sample
+  (``model_bridge.modeling.shared_audio``).
 
 Features are computed per sample (by default each clip on its own, as vLLM featurised it for the
 rollout: ``megatron_grpo.data.features``), so a sample's features never depend on which samples
@@ -29,6 +32,7 @@ import torch
 
 from megatron_grpo.packing import (MicroBatch, PackLimits, PackPlan, build_rank_microbatches, pack_per_token,
                                    to_device)
+from model_bridge.modeling.shared_audio import ClipUse, SharedClips
 
 __all__ = ["TrainMicroBatch", "Featurizer", "build_train_microbatches", "featurizer_from_extractor",
            "padding_summary"]
@@ -60,6 +64,10 @@ class TrainMicroBatch:
     routed_experts_TLK: Optional[torch.Tensor] = None
     """int [T, layers, top_k]; the experts to replay per token and MoE layer (``engine.routes``; -1
     where a token has none); None routes as the router chooses."""
+    clip_use: Optional[ClipUse] = None
+    """The clips this micro-batch shares with others of its rank's step (a group's recording), run
+    through the audio tower once per step (``model_bridge.modeling.shared_audio``); its own clips
+    are ``audio_features``. None: every clip is its own."""
 
     def __post_init__(self):
         T = self.mb.num_tokens
@@ -107,10 +115,13 @@ class TrainMicroBatch:
 
     @property
     def has_audio(self) -> bool:
-        return self.audio_features is not None
+        return self.audio_features is not None or self.clip_use is not None
 
     @property
     def num_clips(self) -> int:
+        """Clips in its tokens, shared ones included."""
+        if self.clip_use is not None:
+            return len(self.clip_use.order)
         return 0 if self.audio_feature_lens is None else int(self.audio_feature_lens.numel())
 
     @property
@@ -183,9 +194,9 @@ def featurizer_from_extractor(feature_extractor) -> Featurizer:
 
 
 def _sample_audio(i: int, traj, featurize: Optional[Featurizer], n_window: int, cache: dict):
-    """(features [M, F_i], lens [A_i]) of sample i, checked against its audio-token runs. Each clip
-    is featurised on its own, once per clip object (``cache``: a recording shared by a group's
-    generations is one object, `megatron_grpo.run.to_ranks`)."""
+    """[(features [M, F_c], lens [1])] of sample i's clips, checked against its audio-token runs.
+    Each clip is featurised on its own, once per clip object (``cache``: a recording shared by a
+    group's generations is one object, `megatron_grpo.run.to_ranks`)."""
     from model_bridge.modeling.audio import audio_output_lengths
 
     if featurize is None:
@@ -195,27 +206,40 @@ def _sample_audio(i: int, traj, featurize: Optional[Featurizer], n_window: int, 
     for a in traj.audios:
         if id(a) not in cache:
             f, ln = featurize([a])
-            cache[id(a)] = (a, torch.as_tensor(f, dtype=torch.float32), torch.as_tensor(ln, dtype=torch.long).reshape(-1))
+            f, ln = torch.as_tensor(f, dtype=torch.float32), torch.as_tensor(ln, dtype=torch.long).reshape(-1)
+            if ln.numel() != 1 or int(ln.sum()) != f.shape[-1]:
+                raise ValueError(f"sample {i}: the featurizer returned {ln.numel()} lengths summing to "
+                                 f"{int(ln.sum())} for 1 clip and {f.shape[-1]} frames")
+            cache[id(a)] = (a, f, ln)  # the clip itself is kept so its id is not reused
         parts.append(cache[id(a)][1:])
-    feats = torch.cat([f for f, _ in parts], dim=1)
-    lens = torch.cat([ln for _, ln in parts])
-    if lens.numel() != len(traj.audios) or int(lens.sum()) != feats.shape[-1]:
-        raise ValueError(f"sample {i}: the featurizer returned {lens.numel()} lengths summing to {int(lens.sum())} "
-                         f"for {len(traj.audios)} clips and {feats.shape[-1]} frames")
     if traj.audio_token_counts:
+        lens = torch.cat([ln for _, ln in parts])
         made = audio_output_lengths(lens, n_window).tolist()
         if [int(n) for n in made] != [int(n) for n in traj.audio_token_counts]:
             raise ValueError(f"sample {i} (prompt {traj.prompt_index}): its clips give {made} audio tokens "
                              f"(frames {lens.tolist()}) but input_ids hold runs of {list(traj.audio_token_counts)} "
                              "audio tokens; the rollout and the trainer disagree on the audio")
-    return feats, lens
+    return parts
+
+
+def _clip_uses(mbs, trajectories, share: bool) -> dict[int, int]:
+    """id of each clip used more than once in these micro-batches -> its index in the step's
+    :class:`SharedClips` (first-use order); empty unless ``share``."""
+    if not share:
+        return {}
+    counts: dict[int, int] = {}
+    for mb in mbs:
+        for i in mb.sample_ids:
+            for a in trajectories[i].audios:
+                counts[id(a)] = counts.get(id(a), 0) + 1
+    return {k: c for c, k in enumerate(k for k, n in counts.items() if n > 1)}
 
 
 def build_train_microbatches(trajectories: Sequence, plan: PackPlan, dp_rank: int, config: PackLimits, *,
                              advantages_N: Optional[torch.Tensor] = None, featurize: Optional[Featurizer] = None,
                              feature_extractor=None, n_window: int = 50,
                              ref_logprobs_by_sample: Optional[Sequence[torch.Tensor]] = None,
-                             routes: bool = False) -> list[TrainMicroBatch]:
+                             routes: bool = False, share_clips: bool = True) -> list[TrainMicroBatch]:
     """The :class:`TrainMicroBatch` list of DP rank ``dp_rank`` under ``plan``.
 
     ``trajectories[i]`` is global sample i (``megatron_grpo.trajectory.Trajectory``; the same list
@@ -224,7 +248,9 @@ def build_train_microbatches(trajectories: Sequence, plan: PackPlan, dp_rank: in
     or from ``feature_extractor`` (:func:`featurizer_from_extractor`); ``n_window`` is the audio
     config's (for the token-count check). ``ref_logprobs_by_sample`` (token-aligned ``[L_i]``
     each) fills ``ref_logprobs_T``. ``routes``: pack the trajectories' ``routed_experts`` into
-    ``routed_experts_TLK`` (R3, ``engine.routes.pack_routes``).
+    ``routed_experts_TLK`` (R3, ``engine.routes.pack_routes``). ``share_clips``: a clip object that
+    several samples of this rank use (a group's recording) goes through the audio tower once per
+    pass (``TrainMicroBatch.clip_use``); False: once per use.
     """
     n = len(trajectories)
     mine = [i for mb in plan.microbatches[dp_rank] for i in mb]  # only these are read: the others may be
@@ -249,17 +275,36 @@ def build_train_microbatches(trajectories: Sequence, plan: PackPlan, dp_rank: in
             raise ValueError(f"ref_logprobs_by_sample has {len(ref_logprobs_by_sample)} entries for {n} samples")
         refs = [torch.as_tensor(r, dtype=torch.float32) for r in ref_logprobs_by_sample]
     out, clip_features = [], {}
+    shared_ix = _clip_uses(mbs, trajectories, share_clips)
+    last_user = {c: k for k, mb in enumerate(mbs) for i in mb.sample_ids for a in trajectories[i].audios
+                 if (c := shared_ix.get(id(a))) is not None}
+    shared_feats: dict[int, torch.Tensor] = {}
+    per_mb = []
     for mb in mbs:
+        feats, lens, order = [], [], []
+        for i in mb.sample_ids:
+            if not trajectories[i].audios:
+                continue
+            for a, (f, ln) in zip(trajectories[i].audios, _sample_audio(i, trajectories[i], featurize, n_window,
+                                                                         clip_features)):
+                c = shared_ix.get(id(a))
+                if c is None:
+                    order.append(len(feats))
+                    feats.append(f)
+                    lens.append(ln)
+                else:
+                    order.append(-1 - c)
+                    shared_feats[c] = f
+        per_mb.append((feats, lens, order))
+    shared = SharedClips([shared_feats[c] for c in range(len(shared_ix))], n_window) if shared_ix else None
+    for k, (mb, (feats, lens, order)) in enumerate(zip(mbs, per_mb)):
         rollout_T = pack_per_token(mb, rollout)
         sid = mb.sample_index_T
         adv_T = torch.where(sid >= 0, advantages_N[sid.clamp(min=0)], torch.zeros(sid.shape, dtype=torch.float32))
         ref_T = None if refs is None else pack_per_token(mb, refs).to(torch.float32)
-        feats, lens = [], []
-        for i in mb.sample_ids:
-            if trajectories[i].audios:
-                f, ln = _sample_audio(i, trajectories[i], featurize, n_window, clip_features)
-                feats.append(f)
-                lens.append(ln)
+        use = None
+        if shared is not None and any(c < 0 for c in order):
+            use = ClipUse(shared, tuple(order), tuple(sorted(c for c, last in last_user.items() if last == k)))
         routes_TLK = None
         if routes:
             from megatron_grpo.engine.routes import pack_routes
@@ -268,7 +313,7 @@ def build_train_microbatches(trajectories: Sequence, plan: PackPlan, dp_rank: in
             mb=mb, rollout_logprobs_T=rollout_T.to(torch.float32), advantages_T=adv_T,
             audio_features=torch.cat(feats, dim=1) if feats else None,
             audio_feature_lens=torch.cat(lens) if lens else None, ref_logprobs_T=ref_T,
-            routed_experts_TLK=routes_TLK))
+            routed_experts_TLK=routes_TLK, clip_use=use))
     return out
 
 

@@ -82,6 +82,8 @@ def _forward_step(use_fp16_wrapper: bool, fused: bool, loss_for: Callable, data_
     kw = dict(packed_seq_params=tmb.packed_seq_params(dev, defer_copy=isinstance(thinker, OmniThinker)),
               audio_features=t.audio_features,
               audio_feature_lens=tmb.audio_feature_lens)  # host lens: the audio tower plans on the host
+    if tmb.clip_use is not None:
+        kw["clip_use"] = tmb.clip_use
     if getattr(thinker, "pre_process", False) and hasattr(thinker, "spec"):
         kw["audio_token_count"] = tmb.count_tokens(thinker.spec.audio_token_id)
     if use_fp16_wrapper:
@@ -102,7 +104,7 @@ def _graphed_forward(graphs, thinker, tmb: TrainMicroBatch, t: TrainMicroBatch):
     dtype = next(thinker.parameters()).dtype
     feats = None if t.audio_features is None else t.audio_features.to(dtype)
     emb = thinker.embed(t.input_ids_T.unsqueeze(0), feats, tmb.audio_feature_lens,
-                        tmb.count_tokens(thinker.spec.audio_token_id))
+                        tmb.count_tokens(thinker.spec.audio_token_id), tmb.clip_use)
     return graphs.run(emb, t.position_ids(), tmb.mb.cu_seqlens_S.tolist())
 
 
@@ -132,6 +134,8 @@ def run_schedule(model, microbatches: Sequence[TrainMicroBatch], loss_for: Calla
     if not microbatches:
         return []
     get_model_config(chunks[0]).variable_seq_lengths = True  # packed micro-batches differ in T
+    for shared in {id(m.clip_use.shared): m.clip_use.shared for m in microbatches if m.clip_use is not None}.values():
+        shared.reset()  # the shared clips' embeddings are of this pass's weights
     fb = get_forward_backward_func()
     kw = dict(forward_step_func=partial(_forward_step, has_float16_wrapper(chunks[0]), bool(fused_lm_head), loss_for,
                                         graphs=None if forward_only else graphs, routes=routes),

@@ -179,13 +179,15 @@ class OmniThinker(MegatronModule):
     # ---- forward -----------------------------------------------------------------------------
 
     def embed(self, input_ids: torch.Tensor, audio_features: Optional[torch.Tensor] = None,
-              audio_feature_lens: Optional[torch.Tensor] = None, audio_token_count: Optional[int] = None
-              ) -> torch.Tensor:
+              audio_feature_lens: Optional[torch.Tensor] = None, audio_token_count: Optional[int] = None,
+              clip_use=None) -> torch.Tensor:
         """Decoder input [s(/tp with SP), b, h]: token embeddings with the audio rows replaced.
 
         First pipeline stage only. Raises ValueError when the number of ``audio_token_id`` tokens
         differs from the number of audio embeddings the clips give. ``audio_token_count``: that
         number as the caller counted it on the host (saves a device sync; it must be right).
+        ``clip_use`` (``shared_audio.ClipUse``): clips this micro-batch shares with others of the
+        pass, interleaved with its own (``audio_features``) in token order.
         """
         if not self.pre_process:
             raise RuntimeError("embed() runs on the first pipeline stage only")
@@ -198,21 +200,21 @@ class OmniThinker(MegatronModule):
             emb = lm.embedding(input_ids=input_ids, position_ids=None)  # [s(/tp), b, h]
         # [b, s]; not made when the caller counted the audio tokens and there are none (a launch
         # in the step's prologue, where the GPU waits for the host)
-        is_audio = None if audio_token_count is not None and audio_features is None else input_ids == self.spec.audio_token_id
+        has_audio = audio_features is not None or clip_use is not None
+        is_audio = None if audio_token_count is not None and not has_audio else input_ids == self.spec.audio_token_id
         # a device read (host sync) unless the caller counted them on the host
         n_tokens = int(is_audio.sum()) if audio_token_count is None else int(audio_token_count)
-        if audio_features is not None:
-            if self.audio_tower is None:
-                raise RuntimeError("audio_features given but this thinker was built without an audio tower")
-            if audio_feature_lens is None:
-                raise ValueError("audio_features given without audio_feature_lens (frames of each clip)")
-            audio = self.audio_tower(audio_features, audio_feature_lens)  # [n_audio, h]
+        if has_audio:
+            audio = self.audio_rows(audio_features, audio_feature_lens, clip_use)  # [n_audio, h]
+            if audio_features is None and not clip_use.last and self.dummy_audio:
+                audio = audio + 0.0 * self._dummy_tower_sum(emb)  # invariant 2: the tower runs here too
             if audio.shape[0] != n_tokens:
-                lens = torch.as_tensor(audio_feature_lens).reshape(-1).tolist()
+                lens = [] if audio_feature_lens is None else torch.as_tensor(audio_feature_lens).reshape(-1).tolist()
+                shared = "" if clip_use is None else f" and {len(clip_use.order) - clip_use.num_own} shared clip(s)"
                 raise ValueError(
                     f"audio token count mismatch: input_ids hold {n_tokens} audio tokens (id "
                     f"{self.spec.audio_token_id}) but the audio tower made {audio.shape[0]} embeddings from "
-                    f"{len(lens)} clip(s) with feature_lens={lens}")
+                    f"{len(lens)} clip(s) with feature_lens={lens}{shared}")
             b, s = is_audio.shape
             overlay = emb.new_zeros(b, s, emb.shape[-1]).masked_scatter(
                 is_audio.unsqueeze(-1), audio.to(emb.dtype)).transpose(0, 1)  # [s, b, h]
@@ -225,16 +227,38 @@ class OmniThinker(MegatronModule):
             raise ValueError(f"input_ids hold {n_tokens} audio tokens (id {self.spec.audio_token_id}) "
                              "but no audio_features were given")
         elif self.dummy_audio and self.audio_tower is not None:
-            from .audio import dummy_audio_input
-
-            feats, lens = dummy_audio_input(self.spec, dtype=emb.dtype, device=emb.device)
-            emb = emb + 0.0 * self.audio_tower(feats, lens).sum().to(emb.dtype)
+            emb = emb + 0.0 * self._dummy_tower_sum(emb)
         return emb
+
+    def audio_rows(self, audio_features: Optional[torch.Tensor], audio_feature_lens: Optional[torch.Tensor],
+                   clip_use=None) -> torch.Tensor:
+        """The audio tower's rows ``[n_audio, h]`` of a micro-batch's clips in token order: its own
+        (``audio_features [M, F]``, ``audio_feature_lens [A]``) and, with ``clip_use``, the shared ones."""
+        if self.audio_tower is None:
+            raise RuntimeError("audio_features given but this thinker was built without an audio tower")
+        if audio_features is not None and audio_feature_lens is None:
+            raise ValueError("audio_features given without audio_feature_lens (frames of each clip)")
+        audio = None if audio_features is None else self.audio_tower(audio_features, audio_feature_lens)
+        if clip_use is None:
+            return audio
+        from .audio import audio_output_lengths
+
+        own_tokens = [] if audio is None else audio_output_lengths(
+            torch.as_tensor(audio_feature_lens).reshape(-1).cpu(), self.spec.audio.n_window).tolist()
+        return clip_use.rows(self.audio_tower, audio, own_tokens)
+
+    def _dummy_tower_sum(self, like: torch.Tensor) -> torch.Tensor:
+        """The audio tower's output on a one-frame dummy clip, summed (``like``'s dtype): times zero,
+        it keeps anti-hang invariant 2 in a micro-batch whose tower would not run otherwise."""
+        from .audio import dummy_audio_input
+
+        feats, lens = dummy_audio_input(self.spec, dtype=like.dtype, device=like.device)
+        return self.audio_tower(feats, lens).sum().to(like.dtype)
 
     def forward(self, input_ids: Optional[torch.Tensor], position_ids: torch.Tensor, packed_seq_params=None,
                 audio_features: Optional[torch.Tensor] = None, audio_feature_lens: Optional[torch.Tensor] = None,
                 attention_mask: Optional[torch.Tensor] = None, return_hidden: bool = False,
-                audio_token_count: Optional[int] = None) -> torch.Tensor:
+                audio_token_count: Optional[int] = None, clip_use=None) -> torch.Tensor:
         if position_ids.dim() == 2:  # [3, T] -> [3, 1, T]
             position_ids = position_ids.unsqueeze(1)
         if position_ids.dim() != 3 or position_ids.shape[0] != 3:
@@ -256,7 +280,8 @@ class OmniThinker(MegatronModule):
         if self.pre_process:
             if input_ids is None:
                 raise ValueError("the first pipeline stage needs input_ids")
-            decoder_input = self.embed(input_ids, audio_features, audio_feature_lens, audio_token_count)
+            decoder_input = self.embed(input_ids, audio_features, audio_feature_lens, audio_token_count,
+                                       clip_use)
         lm = self.language_model
         hidden_only = return_hidden and self.post_process
         if hidden_only:

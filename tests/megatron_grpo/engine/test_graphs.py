@@ -102,7 +102,8 @@ def _padded_hidden_rank(hf_dir: str, budget: int) -> list[float]:
     with torch.no_grad():
         for m in _microbatches(engine, hf_dir, budget):
             ref = thinker(m.input_ids_T.unsqueeze(0), m.position_ids(), packed_seq_params=m.packed_seq_params(),
-                          audio_features=m.audio_features, audio_feature_lens=m.audio_feature_lens, return_hidden=True)
+                          audio_features=m.audio_features, audio_feature_lens=m.audio_feature_lens, clip_use=m.clip_use,
+                          return_hidden=True)
             got = _graphed_forward(graphs, thinker, m, m)
             assert got.shape == ref.shape
             out.append((m.num_tokens, graphs.bucket(m.num_tokens, 1), float((got - ref).abs().max())))

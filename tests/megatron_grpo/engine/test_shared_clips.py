@@ -1,0 +1,153 @@
+"""A clip several samples share (a GRPO group's recording) goes through the audio tower once per pass
+(``model_bridge/modeling/shared_audio.py``): the step's loss, logprobs and gradients equal those of
+the same trajectories with a copy of the clip per sample, on real gloo ranks with the tiny
+checkpoint in float32, and the tower sees the shared recording twice per step (the first pass and
+the recomputation) instead of once per sample."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from model_bridge.spawn import run_ranks
+
+CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
+BUDGET = 160
+GROUP = 4
+
+
+def _wave(seconds: float, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(16000 * seconds)) / 16000.0
+    return (0.3 * np.sin(2 * np.pi * 330.0 * t) + 0.05 * rng.standard_normal(t.shape[0])).astype(np.float32)
+
+
+def _data(hf_dir: str) -> list:
+    """GROUP samples of one prompt: the same recording object, each its own crop in a tool turn;
+    sample 0 also hears the recording a second time (two uses in one sample)."""
+    from megatron_grpo.engine.batch import featurizer_from_extractor
+    from megatron_grpo.trajectory import Trajectory
+    from model_bridge.config import read_omni_config
+    from model_bridge.modeling.audio import audio_output_lengths
+    from transformers import WhisperFeatureExtractor
+
+    spec = read_omni_config(hf_dir)
+    featurize = featurizer_from_extractor(WhisperFeatureExtractor.from_pretrained(hf_dir))
+    g = torch.Generator().manual_seed(3)
+    text = lambda n: torch.randint(0, 400, (n,), generator=g).tolist()  # noqa: E731
+    a, s, e = spec.audio_token_id, spec.audio_start_token_id, spec.audio_end_token_id
+
+    def tokens(w) -> int:
+        return int(audio_output_lengths(featurize([w])[1], spec.audio.n_window)[0])
+
+    record = _wave(1.6, seed=1)
+    out = []
+    for k in range(GROUP):
+        crop = _wave(0.4 + 0.1 * k, seed=10 + k)
+        clips = [record, crop] + ([record] if k == 0 else [])
+        ids, mask = text(5), [0] * 5
+        for j, w in enumerate(clips):
+            part = [s] + [a] * tokens(w) + [e] + text(3)
+            ids += part
+            mask += [0] * len(part)
+            gen = text(12 + 3 * k + j)
+            ids += gen
+            mask += [1] * len(gen)
+        out.append(Trajectory(prompt_index=0, group_id=0, input_ids_T=ids, loss_mask_T=mask,
+                              rollout_logprobs_T=[-0.5 * m for m in mask], audios=clips,
+                              audio_token_counts=[tokens(w) for w in clips], advantage=float(k) - 1.5))
+    return out
+
+
+def _unshared(trajs: list) -> list:
+    """The same samples with a copy of every clip per use (nothing shared)."""
+    import dataclasses
+
+    return [dataclasses.replace(t, audios=[np.array(w, copy=True) for w in t.audios]) for t in trajs]
+
+
+def _run(hf_dir: str, trajs: list, tp: int) -> dict:
+    from megatron.core import parallel_state as ps
+
+    from megatron_grpo.engine.batch import build_train_microbatches, featurizer_from_extractor
+    from megatron_grpo.engine.forward import compute_logprobs
+    from megatron_grpo.engine.setup import OptimConfig, build_engine, unwrapped
+    from megatron_grpo.engine.step import forward_backward
+    from megatron_grpo.packing import PackLimits, plan_step
+    from model_bridge.config import ParallelLayout
+    from model_bridge.parallel import destroy_parallel, init_parallel
+    from transformers import WhisperFeatureExtractor
+
+    from megatron_grpo.algo.importance import ISConfig
+    from megatron_grpo.algo.losses import LossConfig
+    from megatron_grpo.engine.step import StepConfig
+
+    from tests.megatron_grpo.engine.test_step import hf_tensors
+
+    step_cfg = StepConfig(loss=LossConfig(variant="grpo", entropy_coef=0.01),
+                          importance=ISConfig(mode="tis", level="token", tis_cap=2.0), logprob_chunk_size=64)
+
+    torch.set_num_threads(1)
+    init_parallel(tp=tp, seed=1234)
+    engine = build_engine(hf_dir, ParallelLayout(tp=tp), OptimConfig(lr=1e-3), dtype=torch.float32,
+                          moe_aux_loss_coeff=0.0)
+    featurize = featurizer_from_extractor(WhisperFeatureExtractor.from_pretrained(hf_dir))
+    tower = unwrapped(engine.model[0]).audio_tower
+    frames = []
+    tower.register_forward_pre_hook(lambda mod, args: frames.append(int(args[1].sum())))
+    cfg = PackLimits(max_tokens_per_microbatch=BUDGET, pad_multiple=tp)
+    plan = plan_step([t.num_tokens for t in trajs], ps.get_data_parallel_world_size(), cfg)
+    out = {}
+    for share in (True, False):
+        data = trajs if share else _unshared(trajs)
+        mbs = build_train_microbatches(data, plan, ps.get_data_parallel_rank(), cfg, featurize=featurize,
+                                       n_window=engine.spec.audio.n_window)
+        lps = compute_logprobs(engine.model, mbs, vocab_size=engine.spec.text.vocab_size, chunk_size=64)
+        for m in engine.model:
+            m.zero_grad_buffer()
+        engine.optimizer.zero_grad()
+        frames.clear()
+        metrics = forward_backward(engine, mbs, step_cfg, force_all_reduce=True)
+        out[share] = dict(loss=metrics["loss"], clips=metrics["audio_clips"], frames=list(frames),
+                          logprobs=[r["logprobs_T"] for r in lps], grads=hf_tensors(engine.model, engine.spec, "grad"),
+                          uses=[None if m.clip_use is None else (m.clip_use.order, m.clip_use.last) for m in mbs],
+                          own=[m.audio_feature_lens.tolist() if m.audio_feature_lens is not None else [] for m in mbs])
+    destroy_parallel()
+    return out
+
+
+@pytest.fixture(scope="module")
+def trajectories(tiny_ckpt):
+    return _data(str(tiny_ckpt))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_shared_recording_runs_the_tower_once_with_the_same_step(tiny_ckpt, trajectories, tp):
+    res = run_ranks(_run, tp, str(tiny_ckpt), trajectories, tp, timeout=300, env=CPU_ONLY)[0]
+    shared, alone = res[True], res[False]
+    # the packer spread the group over several micro-batches; the recording is shared clip 0 in each
+    assert len(shared["uses"]) >= 2 and all(u is not None and -1 in u[0] for u in shared["uses"])
+    assert [u[1] for u in shared["uses"]][-1] == (0,) and all(u[1] == () for u in shared["uses"][:-1])
+    assert all(u is None for u in alone["uses"])
+    assert shared["clips"] == alone["clips"] == 2 * GROUP + 1
+    # the tower: the recording twice (first pass + recomputation) instead of GROUP + 1 times
+    assert sum(alone["frames"]) - sum(shared["frames"]) == (GROUP + 1 - 2) * _record_frames(res), \
+        (shared["frames"], alone["frames"])
+    assert abs(shared["loss"] - alone["loss"]) <= 1e-6, (shared["loss"], alone["loss"])
+    for a, b in zip(shared["logprobs"], alone["logprobs"]):
+        assert (a - b).abs().max().item() <= 1e-5, (a - b).abs().max().item()
+    gmax = max(g.abs().max().item() for g in alone["grads"].values())
+    worst = max(((shared["grads"][k] - g).abs().max().item(), k) for k, g in alone["grads"].items())
+    print(f"\n[tp{tp}] loss {shared['loss']:.8f} vs {alone['loss']:.8f}; max|dgrad| {worst[0]:.2e} at {worst[1]} "
+          f"(max|grad| {gmax:.2e}); tower frames {sum(shared['frames'])} vs {sum(alone['frames'])}")
+    assert worst[0] <= 1e-5 * gmax, worst
+    tower = [k for k, g in alone["grads"].items() if k.startswith("thinker.audio_tower.") and g.abs().max() > 0]
+    assert tower, "the audio tower got no gradient"
+
+
+def _record_frames(res) -> int:
+    """Frames of the shared recording: what the unshared run's tower saw beyond the shared run's
+    own clips, per use (the two runs have the same crops)."""
+    own = sum(sum(x) for x in res[True]["own"])
+    alone = sum(sum(x) for x in res[False]["own"])
+    return (alone - own) // (GROUP + 1)
