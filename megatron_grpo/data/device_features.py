@@ -38,6 +38,8 @@ class DeviceFeaturizer:
             raise NotImplementedError("DeviceFeaturizer: the feature extractor dithers (dither != 0), which is "
                                       "random; featurise on the host (trainer.device_features: false)")
         self.window = torch.hann_window(self.n_fft, device=self.device)
+        self._stage = None  # pinned host staging buffer (CUDA), reused across calls
+        self._copied = None  # the event after its last host-to-device copy
         self.mel_T = torch.from_numpy(np.asarray(feature_extractor.mel_filters, dtype=np.float32)).T.contiguous() \
             .to(self.device)  # [M, n_fft // 2 + 1]
 
@@ -49,14 +51,36 @@ class DeviceFeaturizer:
         log_spec = torch.maximum(log_spec, log_spec.max() - 8.0)
         return (log_spec + 4.0) / 4.0
 
+    def _to_device(self, clips: Sequence[np.ndarray]) -> torch.Tensor:
+        """The clips end to end as one float32 tensor on the device. On CUDA they are written into a
+        pinned staging buffer kept across calls (grown as needed) and cross in one asynchronous
+        copy; the next call waits for that copy before it writes the buffer again."""
+        total = sum(len(w) for w in clips)
+        if self.device.type != "cuda":
+            return torch.from_numpy(np.concatenate(clips) if len(clips) > 1 else clips[0])
+        if self._copied is not None:
+            self._copied.synchronize()
+        if self._stage is None or self._stage.numel() < total:
+            self._stage = torch.empty(int(total * 1.25) + 1, dtype=torch.float32, pin_memory=True)
+        o = 0
+        for w in clips:
+            self._stage[o:o + len(w)].numpy()[:] = w  # a read-only clip is fine: numpy copies it
+            o += len(w)
+        out = self._stage[:total].to(self.device, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        return out
+
     def __call__(self, waveforms: Sequence[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
         if len(waveforms) == 0:
             return torch.zeros(self.mel_T.shape[0], 0, device=self.device), torch.zeros(0, dtype=torch.long)
-        clips = _prepare(waveforms, self.hop, True)
-        parts = [self.clip(torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32)).to(self.device,
-                                                                                          non_blocking=True))
-                 for w in clips]
-        lens = torch.tensor([len(w) // self.hop for w in clips], dtype=torch.long)
+        clips = _prepare(waveforms, self.hop, False)  # checked; padded to the hop on the device
+        parts = []
+        for w in self._to_device(clips).split([len(w) for w in clips]):
+            if len(w) % self.hop:
+                w = torch.nn.functional.pad(w, (0, self.hop - len(w) % self.hop))
+            parts.append(self.clip(w))
+        lens = torch.tensor([-(-len(w) // self.hop) for w in clips], dtype=torch.long)
         return torch.cat(parts, dim=1), lens
 
 

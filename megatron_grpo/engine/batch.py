@@ -214,12 +214,42 @@ def _sample_audio(i: int, traj, featurize: Optional[Featurizer], n_window: int, 
         parts.append(cache[id(a)][1:])
     if traj.audio_token_counts:
         lens = torch.cat([ln for _, ln in parts])
-        made = audio_output_lengths(lens, n_window).tolist()
+        made = [audio_output_lengths(n, n_window) for n in lens.tolist()]  # host ints: no tensor ops per clip
         if [int(n) for n in made] != [int(n) for n in traj.audio_token_counts]:
             raise ValueError(f"sample {i} (prompt {traj.prompt_index}): its clips give {made} audio tokens "
                              f"(frames {lens.tolist()}) but input_ids hold runs of {list(traj.audio_token_counts)} "
                              "audio tokens; the rollout and the trainer disagree on the audio")
     return parts
+
+
+def _featurize_step(trajectories, ids: Sequence[int], featurize: Optional[Featurizer], cache: dict) -> None:
+    """Featurise every distinct clip of samples ``ids`` not in ``cache`` in one call (one launch
+    sequence and sync for the step instead of one per clip) and cache each clip's part. A clip the
+    featurizer refuses is left out: :func:`_sample_audio` then featurises the sample's clips one by
+    one and its error names the sample."""
+    todo = {id(a): a for i in ids for a in trajectories[i].audios if id(a) not in cache}
+    if featurize is None or not todo:
+        return
+    try:
+        f, ln = featurize(list(todo.values()))
+    except ValueError:
+        return
+    f, ln = torch.as_tensor(f, dtype=torch.float32), torch.as_tensor(ln, dtype=torch.long).reshape(-1)
+    if ln.numel() != len(todo) or int(ln.sum()) != f.shape[-1]:
+        return  # the per-clip path names the clip
+    for (k, a), part, n in zip(todo.items(), f.split(ln.tolist(), dim=1), ln.split(1)):
+        cache[k] = (a, part, n)
+
+
+_NP_DTYPES = {torch.long: np.int64, torch.bool: np.bool_, torch.float32: np.float32}
+
+
+def _host_tensor(values, dtype: torch.dtype) -> torch.Tensor:
+    """A trajectory's per-token list as a host tensor; a Python list goes through numpy, which
+    converts it about 2.5x faster than ``torch.as_tensor`` (the rollout gives lists)."""
+    if torch.is_tensor(values):
+        return values.to(dtype)
+    return torch.from_numpy(np.asarray(values, dtype=_NP_DTYPES[dtype]))
 
 
 def _clip_uses(mbs, trajectories, share: bool) -> dict[int, int]:
@@ -265,16 +295,17 @@ def build_train_microbatches(trajectories: Sequence, plan: PackPlan, dp_rank: in
     advantages_N = torch.as_tensor(advantages_N, dtype=torch.float32).reshape(-1)
     if advantages_N.shape[0] != n:
         raise ValueError(f"advantages_N has {advantages_N.shape[0]} values for {n} samples")
-    ids = {i: torch.as_tensor(trajectories[i].input_ids_T, dtype=torch.long) for i in mine}
-    masks = {i: torch.as_tensor(trajectories[i].loss_mask_T, dtype=torch.bool) for i in mine}
+    ids = {i: _host_tensor(trajectories[i].input_ids_T, torch.long) for i in mine}
+    masks = {i: _host_tensor(trajectories[i].loss_mask_T, torch.bool) for i in mine}
     mbs = build_rank_microbatches(plan, dp_rank, ids, masks, config)
-    rollout = {i: torch.as_tensor(trajectories[i].rollout_logprobs_T, dtype=torch.float32) for i in mine}
+    rollout = {i: _host_tensor(trajectories[i].rollout_logprobs_T, torch.float32) for i in mine}
     refs = None
     if ref_logprobs_by_sample is not None:
         if len(ref_logprobs_by_sample) != n:
             raise ValueError(f"ref_logprobs_by_sample has {len(ref_logprobs_by_sample)} entries for {n} samples")
         refs = [torch.as_tensor(r, dtype=torch.float32) for r in ref_logprobs_by_sample]
     out, clip_features = [], {}
+    _featurize_step(trajectories, mine, featurize, clip_features)
     shared_ix = _clip_uses(mbs, trajectories, share_clips)
     last_user = {c: k for k, mb in enumerate(mbs) for i in mb.sample_ids for a in trajectories[i].audios
                  if (c := shared_ix.get(id(a))) is not None}
