@@ -170,8 +170,10 @@ class TrainerSection:
     shared_clips: bool = True
     """A clip several samples of a rank's step use (a GRPO group's recording) goes through the audio
     tower once per step: a first pass, then one recomputation for the backward of all its uses
-    (``model_bridge/modeling/shared_audio.py``; the same gradients up to summation order). false:
-    once per sample, forward and backward."""
+    (``model_bridge/modeling/shared_audio.py``; the same gradients up to summation order), and the
+    packer keeps a group's samples on few data-parallel ranks while each rank stays within the mean
+    token count (``packing.balance_samples``). false: once per sample, forward and backward, and
+    plain longest-first balancing."""
     device_features: bool = True
     """On GPU, compute the audio clips' log-mel features on the device
     (``data/device_features.py``, the Whisper extractor's math in torch, within 2e-3 of it) instead

@@ -10,7 +10,8 @@ Rules (docs/training.md, "Packing"):
 
 1. A sample is never split: it lies wholly in one micro-batch (GRPO's sequence-mean and the
    sequence-level IS need that, and so does causal attention).
-2. Samples go to DP ranks by longest-processing-time (LPT) on token counts, then each rank packs its
+2. Samples go to DP ranks by longest-processing-time (LPT) on token counts (with groups, a sample
+   joins a rank holding its group while that rank stays under the mean), then each rank packs its
    own samples first-fit-decreasing (FFD) into micro-batches of at most ``max_tokens_per_microbatch``
    tokens *after* padding (the budget is a multiple of ``pad_multiple``, so rounding up never
    crosses it). A sample longer than the budget is an error, or, with ``allow_oversized``, gets a
@@ -116,18 +117,34 @@ def first_fit_decreasing(lengths: Sequence[int], capacity: int, *, allow_oversiz
     return bins
 
 
-def balance_samples(lengths: Sequence[int], dp_size: int) -> list[list[int]]:
+def balance_samples(lengths: Sequence[int], dp_size: int, groups: Optional[Sequence] = None) -> list[list[int]]:
     """Sample ids per DP rank, longest-processing-time first: longest sample first (ties by id), each
     to the rank with the fewest tokens so far (ties: fewer samples, then lower rank). The heaviest
-    rank exceeds the mean by less than the longest sample."""
+    rank exceeds the mean by less than the longest sample.
+
+    ``groups`` (one hashable per sample, e.g. the GRPO group): a sample goes instead to a rank that
+    already holds its group when that rank stays at or under the mean with it (the least loaded
+    such rank), so a group's shared recording reaches, and runs through the audio tower on, as few
+    ranks as the balance allows (``engine.batch``: once per rank and step). The bound above holds."""
     if int(dp_size) != dp_size or dp_size < 1:
         raise ValueError(f"dp_size must be a positive int, got {dp_size!r}")
-    heap = [(0, 0, r) for r in range(dp_size)]
+    if groups is not None and len(groups) != len(lengths):
+        raise ValueError(f"{len(groups)} groups for {len(lengths)} samples")
+    load, count = [0] * dp_size, [0] * dp_size
+    mean = sum(lengths) / dp_size
+    held: dict = {}  # group -> ranks holding it
     ranks: list[list[int]] = [[] for _ in range(dp_size)]
     for k in sorted(range(len(lengths)), key=lambda k: (-lengths[k], k)):
-        tokens, count, r = heapq.heappop(heap)
+        key = lambda r: (load[r], count[r], r)  # noqa: E731
+        r = min(range(dp_size), key=key)
+        if groups is not None:
+            fits = [q for q in held.get(groups[k], ()) if load[q] + lengths[k] <= mean]
+            if fits:
+                r = min(fits, key=key)
+            held.setdefault(groups[k], set()).add(r)
         ranks[r].append(k)
-        heapq.heappush(heap, (tokens + lengths[k], count + 1, r))
+        load[r] += lengths[k]
+        count[r] += 1
     return [sorted(ids) for ids in ranks]
 
 
@@ -192,13 +209,14 @@ class PackPlan:
                 "pack/max_microbatch_tokens": float(max(per_mb, default=0))}
 
 
-def plan_step(lengths: Sequence[int], dp_size: int, config: PackLimits) -> PackPlan:
+def plan_step(lengths: Sequence[int], dp_size: int, config: PackLimits,
+              groups: Optional[Sequence] = None) -> PackPlan:
     """Deterministic plan for one step (rules 1-3 of the module doc). Every rank computes the same
-    plan from the same ``lengths`` and takes ``plan.microbatches[its DP rank]``. An empty step gives
-    0 micro-batches on every rank."""
+    plan from the same ``lengths`` (and ``groups``: keep a group on few ranks, :func:`balance_samples`)
+    and takes ``plan.microbatches[its DP rank]``. An empty step gives 0 micro-batches on every rank."""
     lens = _check_lengths(lengths)
     per_rank = []
-    for ids in balance_samples(lens, dp_size):
+    for ids in balance_samples(lens, dp_size, groups):
         bins = first_fit_decreasing([lens[i] for i in ids], config.max_tokens_per_microbatch,
                                     allow_oversized=config.allow_oversized, ids=ids)
         # heaviest first, so micro-batch k has a similar size on every rank (ties: smallest id)

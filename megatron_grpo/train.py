@@ -86,6 +86,18 @@ def _warn_no_signal(step: int, m: dict, streak: bool, say=None) -> bool:
     return now
 
 
+def _plan_of(dp_size: int, packing, keep_groups: bool) -> Callable:
+    """A step's packing plan from its token counts and GRPO groups: with ``keep_groups``
+    (``trainer.shared_clips``) a group's samples gather on few DP ranks (``packing.balance_samples``),
+    so its recording runs through the audio tower on fewer ranks."""
+    from megatron_grpo.packing import plan_step
+
+    def plan_of(lengths, groups=None):
+        return plan_step(lengths, dp_size, packing, groups=groups if keep_groups else None)
+
+    return plan_of
+
+
 def _token_budget(cfg: TrainConfig, engine, multiple: int) -> int:
     """``packing.max_tokens_per_microbatch`` as an int; ``auto``: the smallest over the ranks of
     each rank's budget from its free memory (``engine/budget.py``)."""
@@ -150,6 +162,8 @@ class Run:
     to_ranks: Callable
     """Hands rank 0's trajectories of a step to every rank: all on rank 0, elsewhere the samples of
     that rank's own micro-batches (``run.to_ranks.deliver``)."""
+    plan_of: Callable
+    """``(lengths, groups=) -> PackPlan`` of a step, the one ``to_ranks`` delivered by."""
     kept: TrajectoryLog
     """The trainer's logprobs beside recordings, and ``logging.trajectories`` (``run.trajlog``)."""
     data: Optional[DataIterator]
@@ -200,7 +214,7 @@ def build_run(cfg: TrainConfig, resume: bool = False) -> Run:
     from megatron_grpo.engine.setup import build_engine
     from megatron_grpo.engine.step import StepConfig
     from megatron_grpo.metrics import MetricsLogger
-    from megatron_grpo.packing import PackLimits, plan_step, round_up
+    from megatron_grpo.packing import PackLimits, round_up
     from megatron_grpo.run.embedded import ensure_embedded_inputs
     from megatron_grpo.run.rollout_source import open_backend, open_source
     from megatron_grpo.run.to_ranks import deliver, dp_ranks_of_all
@@ -256,7 +270,9 @@ def build_run(cfg: TrainConfig, resume: bool = False) -> Run:
             source.resolve_push_mode(engine.model)
         kept = TrajectoryLog(cfg, run_dir, rank)  # trainer logprobs beside recordings, logging.trajectories
         dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        to_ranks = functools.partial(deliver, plan_of=functools.partial(plan_step, dp_size=dp_size, config=packing),
+        # the GRPO groups kept on few ranks where their shared recording saves tower work
+        plan_of = _plan_of(dp_size, packing, cfg.trainer.shared_clips)
+        to_ranks = functools.partial(deliver, plan_of=plan_of,
                                      dp_of_rank=dp_ranks_of_all(dp_rank), broadcast=_broadcast)
 
         start = 0
@@ -291,7 +307,7 @@ def build_run(cfg: TrainConfig, resume: bool = False) -> Run:
             backend.close()
         raise
     return Run(cfg=cfg, rank=rank, run_dir=run_dir, engine=engine, backend=backend, source=source,
-               to_ranks=to_ranks, kept=kept, data=data, featurize=featurize, packing=packing, step_cfg=step_cfg,
+               to_ranks=to_ranks, plan_of=plan_of, kept=kept, data=data, featurize=featurize, packing=packing, step_cfg=step_cfg,
                logger=logger, bar=bar, start=start, dp_rank=dp_rank, dp_size=dp_size, on_stream=on_stream,
                checkpoints=Checkpoints(run_dir, keep_last=cfg.checkpoint.keep_last,
                                        async_save=async_save_enabled(cfg.checkpoint.async_save)))
@@ -303,7 +319,6 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
     from megatron_grpo.engine.signals import PreemptionHandler
     from megatron_grpo.engine.step import train_step
     from megatron_grpo.hang import StepSchedule, Watchdog, check_schedule
-    from megatron_grpo.packing import plan_step
 
     run = build_run(cfg, resume)
     cfg, src, engine = run.cfg, run.source, run.engine
@@ -321,7 +336,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
                     if step < cfg.trainer.steps:
                         src.prefetch(step + 1)  # rollout.overlap: step+1 rolls out while this step trains
                     t0 = time.monotonic()
-                    plan = plan_step([t.num_tokens for t in trajs], run.dp_size, run.packing)  # 4. pack
+                    plan = run.plan_of([t.num_tokens for t in trajs], groups=[t.group_id for t in trajs])  # 4. pack
                     mbs = build_train_microbatches(trajs, plan, run.dp_rank, run.packing, featurize=run.featurize,
                                                    n_window=engine.spec.audio.n_window,
                                                    routes=cfg.rollout.routing_replay == "r3",

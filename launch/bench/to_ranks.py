@@ -102,7 +102,7 @@ def _rank(rank: int, world: int, port: int, args: dict, queue) -> None:
     gc.collect()
     dist.barrier()
     before = _rss()
-    got = deliver(trajs, lambda lens: plan_step(lens, world, packing), dp_ranks_of_all(rank), bcast)
+    got = deliver(trajs, lambda lens, groups: plan_step(lens, world, packing, groups), dp_ranks_of_all(rank), bcast)
     mine = {i: t for i, t in enumerate(got) if not isinstance(t, Elsewhere)}
     res["to_ranks"] = {"rss_before": before, "rss_after": _rss(), "samples": len(mine)}
     if rank != 0:  # what arrived: its share, pickled as rank 0 sent it (+ the broadcast token counts)

@@ -61,7 +61,10 @@ def _plain(v):
 
 
 def trajectory_to_record(t: Trajectory, clips: list, index: dict) -> dict:
-    """A plain dict of `t`; its waveforms are appended to `clips` once (`index`: bytes -> position)."""
+    """A plain dict of `t`; its waveforms are appended to `clips` once per clip object (`index`: the
+    object's id -> position; the step's trajectories keep the objects alive), so the replayed step
+    shares exactly the clips the live one shared (a group's recording), which the trainer runs
+    through the audio tower once."""
     d = {}
     for f in fields(t):
         v = getattr(t, f.name)
@@ -70,11 +73,10 @@ def trajectory_to_record(t: Trajectory, clips: list, index: dict) -> dict:
         elif f.name == "audios":
             ids = []
             for a in v:
-                a = np.ascontiguousarray(np.asarray(a, dtype=np.float32).reshape(-1))
-                key = a.tobytes()
+                key = id(a)
                 if key not in index:
                     index[key] = len(clips)
-                    clips.append(torch.from_numpy(a.copy()))
+                    clips.append(torch.from_numpy(np.array(a, dtype=np.float32, copy=True).reshape(-1)))
                 ids.append(index[key])
             d[f.name] = ids
         else:
@@ -82,11 +84,14 @@ def trajectory_to_record(t: Trajectory, clips: list, index: dict) -> dict:
     return d
 
 
-def trajectory_from_record(d: dict, clips: list) -> Trajectory:
+def trajectory_from_record(d: dict, waves: list) -> Trajectory:
+    """The trajectory of record ``d``; ``waves`` (the step's clips as numpy arrays, :func:`load_step`)
+    are used as they are, so a clip several samples share (a group's recording) is again one object,
+    as in the live run (the trainer then runs it through the audio tower once, ``engine.batch``)."""
     kw = dict(d)
     for name in _TENSOR_FIELDS:
         kw[name] = kw[name].tolist()
-    kw["audios"] = [clips[i].numpy().copy() for i in kw.get("audios", [])]
+    kw["audios"] = [waves[i] for i in kw.get("audios", [])]
     if isinstance(kw.get("routed_experts"), torch.Tensor):
         kw["routed_experts"] = kw["routed_experts"].numpy()
     return Trajectory(**kw)
@@ -199,7 +204,8 @@ def load_step(directory, step: int):
     if not p.is_file():
         raise ValueError(f"rollout.replay_dir {directory}: {p.name} not found (step {step} not recorded)")
     payload = torch.load(p, weights_only=True)
-    return [trajectory_from_record(d, payload["clips"]) for d in payload["trajectories"]], payload.get("stats", {})
+    waves = [c.numpy() for c in payload["clips"]]
+    return [trajectory_from_record(d, waves) for d in payload["trajectories"]], payload.get("stats", {})
 
 
 # ---- replay -------------------------------------------------------------------------------------

@@ -28,9 +28,10 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class Elsewhere:
-    """A sample of the step that another data-parallel group trains: only its token count."""
+    """A sample of the step that another data-parallel group trains: only its token count and group."""
 
     num_tokens: int
+    group_id: int = 0
 
 
 def dp_ranks_of_all(dp_rank: int) -> list[int]:
@@ -54,10 +55,10 @@ def pack_share(trajs: Sequence, ids: Sequence[int]) -> dict:
     return {"samples": samples, "clips": clips}
 
 
-def unpack_share(share: dict, lengths: Sequence[int]) -> list:
+def unpack_share(share: dict, lengths: Sequence[int], groups: Sequence[int]) -> list:
     """The step's list on a receiving rank: its trajectories (clip ids resolved to the waveforms,
     shared clips as one object) in place, `Elsewhere` everywhere else."""
-    out = [Elsewhere(int(n)) for n in lengths]
+    out = [Elsewhere(int(n), int(g)) for n, g in zip(lengths, groups)]
     clips = share["clips"]
     for i, t in share["samples"].items():
         out[i] = replace(t, audios=[clips[k] for k in t.audios])
@@ -69,21 +70,25 @@ def rank_sample_ids(plan, dp_rank: int) -> list[int]:
     return [i for mb in plan.microbatches[dp_rank] for i in mb]
 
 
-def deliver(trajs, plan_of: Callable[[list[int]], object], dp_of_rank: Sequence[int], broadcast):
+def deliver(trajs, plan_of: Callable[..., object], dp_of_rank: Sequence[int], broadcast):
     """The step's trajectories on this rank (collective: every rank calls it). Rank 0 passes the
     list (or a picklable exception, which every rank raises); the others pass None. ``plan_of``
-    maps token counts to the packing plan (the one the step then trains on); ``broadcast`` sends a
-    picklable object from rank 0 to every rank."""
+    maps the token counts and, as ``groups=``, the GRPO group ids to the packing plan (the one the
+    step then trains on: ``plan_step``); ``broadcast`` sends a picklable object from rank 0 to every rank."""
     rank = dist.get_rank()
-    head = broadcast(([t.num_tokens for t in trajs] if not isinstance(trajs, BaseException) else trajs)
-                     if rank == 0 else None)
+    head = None
+    if rank == 0:
+        head = trajs if isinstance(trajs, BaseException) else ([t.num_tokens for t in trajs],
+                                                                [int(t.group_id) for t in trajs])
+    head = broadcast(head)
     if isinstance(head, BaseException):
         raise head
-    plan = plan_of(head)
+    lengths, groups = head
+    plan = plan_of(lengths, groups=groups)
     if rank == 0:
         for dst in range(1, dist.get_world_size()):
             dist.send_object_list([pack_share(trajs, rank_sample_ids(plan, dp_of_rank[dst]))], dst=dst)
         return list(trajs)
     box = [None]
     dist.recv_object_list(box, src=0)
-    return unpack_share(box[0], head)
+    return unpack_share(box[0], lengths, groups)

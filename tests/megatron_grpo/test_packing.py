@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -74,6 +75,37 @@ def test_balance_on_skewed_lengths():
             assert max(toks) - mean < max(lengths)  # LPT bound
             plan = plan_step(lengths, dp, PackLimits(max_tokens_per_microbatch=16384))
             assert plan.balance <= 1.02, (seed, dp, plan.balance)
+
+
+def test_groups_stay_on_few_ranks_within_the_lpt_bound():
+    """With GRPO groups, a group's samples gather on few DP ranks (its shared recording then runs
+    through the audio tower on fewer ranks) and the LPT bound still holds."""
+    rng = np.random.default_rng(0)
+    total = [0, 0]
+    for dp, n_groups, g in ((2, 2, 8), (4, 4, 8), (8, 4, 8), (4, 16, 8), (8, 8, 4)):
+        for trial in range(5):
+            base = rng.integers(500, 17000, size=n_groups)  # a group's recording sets most of its length
+            lengths = [int(b + rng.integers(50, 600)) for b in base for _ in range(g)]
+            groups = [k for k in range(n_groups) for _ in range(g)]
+            spread = {}
+            for with_groups in (False, True):
+                per_rank = balance_samples(lengths, dp, groups if with_groups else None)
+                toks = [sum(lengths[i] for i in ids) for ids in per_rank]
+                assert sorted(i for ids in per_rank for i in ids) == list(range(len(lengths)))
+                assert max(toks) - sum(toks) / dp < max(lengths), (dp, trial, toks)  # LPT bound
+                spread[with_groups] = sum(len({groups[i] for i in ids}) for ids in per_rank)  # (group, rank) pairs
+            assert spread[True] <= spread[False], (dp, n_groups, trial, spread)
+            total[0] += spread[False]
+            total[1] += spread[True]
+    print(f"(group, rank) pairs without / with groups: {total[0]} / {total[1]}")
+    assert total[1] < 0.7 * total[0], total
+    # equal lengths, one group per rank's share: every group on one rank
+    per_rank = balance_samples([100] * 32, 4, [i // 8 for i in range(32)])
+    assert [sorted({i // 8 for i in ids}) for ids in per_rank] == [[0], [1], [2], [3]]
+    plan = plan_step([100] * 32, 4, PackLimits(max_tokens_per_microbatch=400), groups=[i // 8 for i in range(32)])
+    assert plan == plan_step([100] * 32, 4, PackLimits(max_tokens_per_microbatch=400), groups=[i // 8 for i in range(32)])
+    with pytest.raises(ValueError, match="3 groups for 4 samples"):
+        balance_samples([1, 2, 3, 4], 2, [0, 0, 1])
 
 
 def test_ranks_without_samples_get_padding_microbatches():

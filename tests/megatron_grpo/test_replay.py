@@ -58,14 +58,17 @@ def _traj(gid, audio):
 
 def test_record_round_trip_is_exact_and_stores_a_shared_clip_once(tmp_path):
     a = np.random.default_rng(0).standard_normal(1600).astype(np.float32)
-    trajs = [_traj(7, a), _traj(7, a.copy()), _traj(8, a[:800].copy())]
+    trajs = [_traj(7, a), _traj(7, a), _traj(7, a.copy()), _traj(8, a[:800].copy())]
     clips, index = [], {}
     recs = [trajectory_to_record(t, clips, index) for t in trajs]
-    assert len(clips) == 2 and [r["audios"] for r in recs] == [[0], [0], [1]]
+    # one clip object, stored once; an equal copy is another object, as the trainer sees it
+    assert len(clips) == 3 and [r["audios"] for r in recs] == [[0], [0], [1], [2]]
     torch.save({"clips": clips, "trajectories": recs}, tmp_path / "s.pt")
     back = torch.load(tmp_path / "s.pt", weights_only=True)  # plain tensors/dicts only
-    for t, d in zip(trajs, back["trajectories"]):
-        u = trajectory_from_record(d, back["clips"])
+    waves = [c.numpy() for c in back["clips"]]
+    got = [trajectory_from_record(d, waves) for d in back["trajectories"]]
+    assert got[0].audios[0] is got[1].audios[0] and got[2].audios[0] is not got[0].audios[0]
+    for t, u in zip(trajs, got):
         assert np.array_equal(u.audios[0], t.audios[0]) and u.audios[0].dtype == np.float32
         u.audios, t.audios = [], []
         assert u == t  # every other field exactly (floats through float64)

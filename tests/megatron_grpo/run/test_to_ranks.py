@@ -97,7 +97,7 @@ def _run(hf_dir: str, tp: int, ep: int) -> dict:
     mine = make_step(hf_dir) if rank == 0 else None  # only rank 0 holds the rollout
 
     def step(trajs):
-        plan = plan_step([t.num_tokens for t in trajs], dp_size, packing)
+        plan = plan_step([t.num_tokens for t in trajs], dp_size, packing, [t.group_id for t in trajs])
         mbs = build_train_microbatches(trajs, plan, dp_rank, packing, featurize=featurize,
                                        n_window=engine.spec.audio.n_window)
         for m in engine.model:
@@ -107,7 +107,7 @@ def _run(hf_dir: str, tp: int, ep: int) -> dict:
         return plan, metrics, _grads(engine)
 
     plan_a, metrics_a, grads_a = step(_broadcast(mine))  # every trajectory, every clip, to every rank
-    got = deliver(mine, lambda lens: plan_step(lens, dp_size, packing), dp_ranks_of_all(dp_rank), _broadcast)
+    got = deliver(mine, lambda lens, groups: plan_step(lens, dp_size, packing, groups), dp_ranks_of_all(dp_rank), _broadcast)
     plan_b, metrics_b, grads_b = step(got)
     received = [i for i, t in enumerate(got) if not isinstance(t, Elsewhere)]
     clips = {id(a) for i in received for a in got[i].audios}
@@ -155,8 +155,8 @@ def test_pack_and_unpack_send_each_clip_once():
                         rollout_logprobs_T=[0.0] * (3 + k), audios=[rec, rec[:k + 1].copy()]) for k in range(4)]
     share = pack_share(trajs, [1, 3])
     assert sorted(share["samples"]) == [1, 3] and len(share["clips"]) == 3  # the recording once, two crops
-    got = unpack_share(pickle.loads(pickle.dumps(share)), [t.num_tokens for t in trajs])
-    assert got[0] == Elsewhere(3) and got[2] == Elsewhere(5)
+    got = unpack_share(pickle.loads(pickle.dumps(share)), [t.num_tokens for t in trajs], [0, 0, 1, 1])
+    assert got[0] == Elsewhere(3, 0) and got[2] == Elsewhere(5, 1)
     assert got[1].audios[0] is got[3].audios[0]  # one object: its features are computed once
     for i in (1, 3):
         assert all(np.array_equal(x, y) for x, y in zip(got[i].audios, trajs[i].audios))
