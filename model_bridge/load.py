@@ -27,7 +27,7 @@ from model_bridge.io import CheckpointError, SafetensorsReader
 from model_bridge.mappings import MappingError, ParallelContext, Task, build_tasks
 from model_bridge.qwen3_omni import QWEN3_OMNI, ModelBridge
 
-__all__ = ["load_hf", "LoadReport", "unwrap_model", "model_chunks", "check_task_shapes"]
+__all__ = ["load_hf", "LoadReport", "unwrap_model", "model_chunks", "check_task_shapes", "raise_if_any_failed"]
 
 
 @dataclass
@@ -91,8 +91,10 @@ def _collective_device(dist) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def _raise_if_any_failed(error: BaseException | None) -> None:
-    """Collective: every rank learns whether one failed; all raise (the failing rank its own error)."""
+def raise_if_any_failed(error: BaseException | None, what: str = "load_hf", error_cls: type = None) -> None:
+    """Collective: every rank learns whether one failed; all raise (the failing rank its own error,
+    the others ``error_cls``, default :class:`CheckpointError`, naming ``what``, the first failing
+    rank and its error)."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
@@ -108,7 +110,8 @@ def _raise_if_any_failed(error: BaseException | None) -> None:
     if error is not None:
         raise error
     failed = [(r, m) for r, m in enumerate(msgs) if m is not None]
-    raise CheckpointError(f"load_hf failed on rank {failed[0][0]} ({len(failed)} rank(s) failed): {failed[0][1]}")
+    raise (error_cls or CheckpointError)(f"{what} failed on rank {failed[0][0]} ({len(failed)} rank(s) failed): "
+                                         f"{failed[0][1]}")
 
 
 def _used_anywhere(all_keys: list[str], used: set[str]) -> list[bool]:
@@ -156,7 +159,7 @@ def load_hf(model: torch.nn.Module | list[torch.nn.Module], hf_dir: str | Path, 
         report.read_bytes = reader.read_bytes
     except BaseException as e:  # noqa: BLE001 - shared with the other ranks below, then re-raised
         error = e
-    _raise_if_any_failed(error)
+    raise_if_any_failed(error)
 
     used = _used_anywhere(all_keys, report.hf_keys)
     owned = tuple(bridge.owned_prefixes)

@@ -42,7 +42,7 @@ the world size differs) the model and optimizer reshard, every rank gets rank 0'
 ``extra_state`` and host RNG streams (when the saved ranks' agree), the device streams restart
 from the seed, and rank 0 says so (the change from -> to, and the RNG consequence: one line each).
 
-Three megatron-core quirks are handled here (both when neither Transformer Engine nor Apex is
+Three megatron-core quirks are handled in ``engine/ckpt_adam.py`` (both when neither Transformer Engine nor Apex is
 installed, as on our CPU and GPU machines): its ``DistributedOptimizer.state_dict()`` asserts on a
 fresh torch Adam with no state, so the state is initialised (zeros, step 0) before loading; and its
 load hands every parameter the *same* ``step`` tensor, which torch's foreach Adam then increments
@@ -55,7 +55,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import pickle
 import shutil
 import time
 from pathlib import Path
@@ -63,6 +62,19 @@ from typing import Any, Optional
 
 import torch
 
+from megatron_grpo.engine.ckpt_adam import fix_shared_adam_steps as _fix_shared_adam_steps
+from megatron_grpo.engine.ckpt_adam import init_optimizer_state
+from megatron_grpo.engine.ckpt_adam import keep_adam_step_on_load as _keep_adam_step_on_load
+from megatron_grpo.engine.ckpt_comm import CheckpointError
+from megatron_grpo.engine.ckpt_comm import barrier as _barrier
+from megatron_grpo.engine.ckpt_comm import broadcast_from_zero as _broadcast_from_zero
+from megatron_grpo.engine.ckpt_comm import comm_device as _device
+from megatron_grpo.engine.ckpt_comm import dist_or_none as _dist
+from megatron_grpo.engine.ckpt_comm import pack as _pack
+from megatron_grpo.engine.ckpt_comm import rank as _rank
+from megatron_grpo.engine.ckpt_comm import raise_if_any_failed as _raise_if_any_failed
+from megatron_grpo.engine.ckpt_comm import unpack as _unpack
+from megatron_grpo.engine.ckpt_comm import world as _world
 from megatron_grpo.engine.ckpt_rng import HOST_STREAMS, agreeing_host_streams, rng_state, set_host_rng, set_rng_state
 from megatron_grpo.engine.optim_state import light_fully_reshardable
 from megatron_grpo.engine.reshard import (FULLY_RESHARDABLE, check_resumable, describe_layout, layout_changed,
@@ -81,87 +93,6 @@ log = logging.getLogger(__name__)
 DEFAULT_OPTIMIZER_SHARDING = FULLY_RESHARDABLE
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be saved or loaded; raised on every rank."""
-
-
-def _pack(obj: Any) -> torch.Tensor:
-    """Arbitrary picklable object -> uint8 tensor (safe for torch.load(weights_only=True))."""
-    return torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
-
-
-def _unpack(t) -> Any:
-    if isinstance(t, torch.Tensor):
-        return pickle.loads(t.cpu().numpy().tobytes())
-    return t
-
-
-# ------------------------------------------------------------------------------------------------
-# collectives
-# ------------------------------------------------------------------------------------------------
-
-
-def _dist():
-    import torch.distributed as dist
-
-    return dist if dist.is_available() and dist.is_initialized() else None
-
-
-def _rank() -> int:
-    d = _dist()
-    return d.get_rank() if d else 0
-
-
-def _world() -> int:
-    d = _dist()
-    return d.get_world_size() if d else 1
-
-
-def _device():
-    d = _dist()
-    if d is not None and "nccl" in str(d.get_backend()).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _raise_if_any_failed(error: Optional[BaseException], what: str) -> None:
-    """Collective: every rank learns whether one failed; all raise (the failing rank its own error)."""
-    d = _dist()
-    if d is None or d.get_world_size() == 1:
-        if error is not None:
-            raise error
-        return
-    flag = torch.tensor([0 if error is None else 1], dtype=torch.int32, device=_device())
-    d.all_reduce(flag, op=d.ReduceOp.MAX)
-    if not int(flag.item()):
-        return
-    msgs: list = [None] * d.get_world_size()
-    d.all_gather_object(msgs, None if error is None else f"{type(error).__name__}: {error}")
-    if error is not None:
-        raise error
-    failed = [(r, m) for r, m in enumerate(msgs) if m is not None]
-    raise CheckpointError(f"{what} failed on rank {failed[0][0]} ({len(failed)} rank(s) failed): {failed[0][1]}")
-
-
-def _broadcast_from_zero(obj: Any) -> Any:
-    d = _dist()
-    if d is None or d.get_world_size() == 1:
-        return obj
-    box = [obj]
-    kw = {"device": _device()} if _device().type == "cuda" else {}
-    d.broadcast_object_list(box, src=0, **kw)
-    return box[0]
-
-
-def _barrier() -> None:
-    d = _dist()
-    if d is not None and d.get_world_size() > 1:
-        if _device().type == "cuda":
-            d.barrier(device_ids=[torch.cuda.current_device()])
-        else:
-            d.barrier()
-
-
 # ------------------------------------------------------------------------------------------------
 # state dicts
 # ------------------------------------------------------------------------------------------------
@@ -175,79 +106,6 @@ def _chunks(model_chunks) -> list[torch.nn.Module]:
 
 def _model_keys(n: int) -> list[str]:
     return ["model"] if n == 1 else [f"model{i}" for i in range(n)]
-
-
-def _inner_optimizers(optimizer) -> list:
-    """The megatron sub-optimizers (a ChainedOptimizer's parts, or the optimizer itself)."""
-    return [o for o in getattr(optimizer, "chained_optimizers", [optimizer]) if not getattr(o, "is_stub_optimizer", False)]
-
-
-def _is_torch_adam(opt) -> bool:
-    return isinstance(opt, (torch.optim.Adam, torch.optim.AdamW))
-
-
-def init_optimizer_state(optimizer) -> None:
-    """Give a fresh torch Adam inside megatron's DistributedOptimizer a state (zeros, step 0), so its
-    ``state_dict()`` works before loading (see the module doc; values are overwritten by the load)
-    and a checkpoint of a run that has not stepped yet holds Adam moments (``mgrpo bench checkpoint``)."""
-    try:
-        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    except ImportError:  # pragma: no cover
-        return
-    for sub in _inner_optimizers(optimizer):
-        inner = getattr(sub, "optimizer", None)
-        if not isinstance(sub, DistributedOptimizer) or not _is_torch_adam(inner):
-            continue
-        for group in inner.param_groups:
-            for p in group["params"]:
-                if not inner.state[p]:
-                    st = {"step": torch.tensor(0.0, dtype=torch.float32),
-                          "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                          "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
-                    if group.get("amsgrad"):
-                        st["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    if group.get("capturable") or group.get("fused"):
-                        st["step"] = st["step"].to(p.device)
-                    inner.state[p] = st
-
-
-def _keep_adam_step_on_load(optimizer) -> None:
-    """megatron's ``fully_reshardable`` load copies every state of the inner optimizer from the
-    checkpoint, but stores no ``step`` (the param groups carry it): with torch's Adam, whose state
-    holds ``step``, it would raise KeyError. Keys the checkpoint lacks keep their current value."""
-    try:
-        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    except ImportError:  # pragma: no cover
-        return
-    for sub in _inner_optimizers(optimizer):
-        if not isinstance(sub, DistributedOptimizer) or not _is_torch_adam(getattr(sub, "optimizer", None)) \
-                or "_set_main_param_and_optimizer_states" in vars(sub):
-            continue
-        original = sub._set_main_param_and_optimizer_states
-
-        def keep_missing(model_param, tensors, _sub=sub, _original=original):
-            group_index, group_order = _sub.model_param_group_index_map[model_param]
-            main_param = _sub.optimizer.param_groups[group_index]["params"][group_order]
-            for k, v in _sub.optimizer.state[main_param].items():
-                tensors.setdefault(k, v)
-            return _original(model_param, tensors)
-
-        sub._set_main_param_and_optimizer_states = keep_missing
-
-
-def _fix_shared_adam_steps(optimizer) -> None:
-    """One ``step`` tensor per parameter, with the value megatron restored into the param groups."""
-    for sub in _inner_optimizers(optimizer):
-        inner = getattr(sub, "optimizer", None)
-        if not _is_torch_adam(inner):
-            continue
-        for group in inner.param_groups:
-            for p in group["params"]:
-                st = inner.state.get(p)
-                if not st or "step" not in st or not torch.is_tensor(st["step"]):
-                    continue
-                value = group["step"] if "step" in group else st["step"].item()
-                st["step"] = torch.tensor(float(value), dtype=st["step"].dtype, device=st["step"].device)
 
 
 def _mcore_async_strategy(save_fn, async_write: bool) -> dict:

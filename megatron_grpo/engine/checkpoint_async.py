@@ -29,8 +29,9 @@ from typing import Any, Optional
 
 import torch
 
-from megatron_grpo.engine.checkpoint import (DEFAULT_OPTIMIZER_SHARDING, SaveInProgress, _device, _dist,
-                                             begin_save)
+from megatron_grpo.engine.checkpoint import DEFAULT_OPTIMIZER_SHARDING, SaveInProgress, begin_save
+from megatron_grpo.engine.ckpt_comm import comm_device as _device
+from megatron_grpo.engine.ckpt_comm import dist_or_none as _dist
 
 __all__ = ["start_checkpoint", "PendingSave", "Checkpoints", "async_save_enabled", "snapshot_write_buckets"]
 

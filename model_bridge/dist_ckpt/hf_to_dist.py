@@ -25,9 +25,9 @@ def _source_dtype(reader) -> torch.dtype:
 
 
 def _all_ranks_ok(error: Optional[BaseException]) -> None:
-    from model_bridge.load import _raise_if_any_failed
+    from model_bridge.load import raise_if_any_failed
 
-    _raise_if_any_failed(error)
+    raise_if_any_failed(error)
 
 
 def save_hf_as_dist_checkpoint(hf_dir, out_dir, layout, *, dtype: Optional[torch.dtype] = None,
