@@ -176,10 +176,11 @@ class TrainBench:
     def audio(self) -> dict:
         import torch
 
+        from megatron_grpo.engine.batch import reset_shared_clips
+
         _sync(self.device)
         t0 = time.perf_counter()
-        for shared in {id(m.clip_use.shared): m.clip_use.shared for m in self.host_mbs if m.clip_use}.values():
-            shared.reset()  # as run_schedule does before a pass
+        reset_shared_clips(self.host_mbs)  # as run_schedule does before a pass
         for host, t, probe in zip(self.host_mbs, self.dev_mbs, self.audio_probes):
             if probe is None:
                 continue

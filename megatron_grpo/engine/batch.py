@@ -30,12 +30,12 @@ from typing import Callable, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from megatron_grpo.packing import (MicroBatch, PackLimits, PackPlan, build_rank_microbatches, pack_per_token,
-                                   to_device)
+from megatron_grpo.packing import (MicroBatch, PackLimits, PackPlan, as_1d, build_rank_microbatches,
+                                   pack_per_token, to_device)
 from model_bridge.modeling.shared_audio import ClipUse, SharedClips
 
 __all__ = ["TrainMicroBatch", "Featurizer", "build_train_microbatches", "featurizer_from_extractor",
-           "padding_summary"]
+           "padding_summary", "reset_shared_clips"]
 
 Featurizer = Callable[[Sequence[np.ndarray]], tuple[torch.Tensor, torch.Tensor]]
 """waveforms (16 kHz float mono, one per clip) -> (features [M, F_total], feature_lens [A]). Each clip is
@@ -241,28 +241,28 @@ def _featurize_step(trajectories, ids: Sequence[int], featurize: Optional[Featur
         cache[k] = (a, part, n)
 
 
-_NP_DTYPES = {torch.long: np.int64, torch.bool: np.bool_, torch.float32: np.float32}
-
-
-def _host_tensor(values, dtype: torch.dtype) -> torch.Tensor:
-    """A trajectory's per-token list as a host tensor; a Python list goes through numpy, which
-    converts it about 2.5x faster than ``torch.as_tensor`` (the rollout gives lists)."""
-    if torch.is_tensor(values):
-        return values.to(dtype)
-    return torch.from_numpy(np.asarray(values, dtype=_NP_DTYPES[dtype]))
-
-
-def _clip_uses(mbs, trajectories, share: bool) -> dict[int, int]:
-    """id of each clip used more than once in these micro-batches -> its index in the step's
-    :class:`SharedClips` (first-use order); empty unless ``share``."""
+def _clip_uses(mbs, trajectories, share: bool) -> tuple[dict[int, int], dict[int, int]]:
+    """``(index, last)``: id of each clip used more than once in these micro-batches -> its index in
+    the step's :class:`SharedClips` (first-use order), and that index -> the last micro-batch that
+    uses it; both empty unless ``share``."""
     if not share:
-        return {}
+        return {}, {}
     counts: dict[int, int] = {}
-    for mb in mbs:
+    last: dict[int, int] = {}
+    for k, mb in enumerate(mbs):
         for i in mb.sample_ids:
             for a in trajectories[i].audios:
                 counts[id(a)] = counts.get(id(a), 0) + 1
-    return {k: c for c, k in enumerate(k for k, n in counts.items() if n > 1)}
+                last[id(a)] = k
+    index = {key: c for c, key in enumerate(key for key, n in counts.items() if n > 1)}
+    return index, {c: last[key] for key, c in index.items()}
+
+
+def reset_shared_clips(microbatches: Sequence["TrainMicroBatch"]) -> None:
+    """Drop the shared clips' cached tower output before a pass over ``microbatches`` (the weights
+    may have changed since the last one)."""
+    for shared in {id(m.clip_use.shared): m.clip_use.shared for m in microbatches if m.clip_use}.values():
+        shared.reset()
 
 
 def build_train_microbatches(trajectories: Sequence, plan: PackPlan, dp_rank: int, config: PackLimits, *,
@@ -295,10 +295,11 @@ def build_train_microbatches(trajectories: Sequence, plan: PackPlan, dp_rank: in
     advantages_N = torch.as_tensor(advantages_N, dtype=torch.float32).reshape(-1)
     if advantages_N.shape[0] != n:
         raise ValueError(f"advantages_N has {advantages_N.shape[0]} values for {n} samples")
-    ids = {i: _host_tensor(trajectories[i].input_ids_T, torch.long) for i in mine}
-    masks = {i: _host_tensor(trajectories[i].loss_mask_T, torch.bool) for i in mine}
+    ids = {i: trajectories[i].input_ids_T for i in mine}  # the packer makes them tensors (packing.as_1d)
+    masks = {i: trajectories[i].loss_mask_T for i in mine}
     mbs = build_rank_microbatches(plan, dp_rank, ids, masks, config)
-    rollout = {i: _host_tensor(trajectories[i].rollout_logprobs_T, torch.float32) for i in mine}
+    rollout = {i: as_1d(trajectories[i].rollout_logprobs_T, torch.float32, f"rollout logprobs of sample {i}")
+               for i in mine}
     refs = None
     if ref_logprobs_by_sample is not None:
         if len(ref_logprobs_by_sample) != n:
@@ -306,9 +307,7 @@ def build_train_microbatches(trajectories: Sequence, plan: PackPlan, dp_rank: in
         refs = [torch.as_tensor(r, dtype=torch.float32) for r in ref_logprobs_by_sample]
     out, clip_features = [], {}
     _featurize_step(trajectories, mine, featurize, clip_features)
-    shared_ix = _clip_uses(mbs, trajectories, share_clips)
-    last_user = {c: k for k, mb in enumerate(mbs) for i in mb.sample_ids for a in trajectories[i].audios
-                 if (c := shared_ix.get(id(a))) is not None}
+    shared_ix, last_user = _clip_uses(mbs, trajectories, share_clips)
     shared_feats: dict[int, torch.Tensor] = {}
     per_mb = []
     for mb in mbs:
@@ -327,7 +326,7 @@ def build_train_microbatches(trajectories: Sequence, plan: PackPlan, dp_rank: in
                     order.append(-1 - c)
                     shared_feats[c] = f
         per_mb.append((feats, lens, order))
-    shared = SharedClips([shared_feats[c] for c in range(len(shared_ix))], n_window) if shared_ix else None
+    shared = SharedClips([shared_feats[c] for c in range(len(shared_ix))]) if shared_ix else None
     for k, (mb, (feats, lens, order)) in enumerate(zip(mbs, per_mb)):
         rollout_T = pack_per_token(mb, rollout)
         sid = mb.sample_index_T

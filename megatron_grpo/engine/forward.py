@@ -28,7 +28,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .batch import TrainMicroBatch
+from .batch import TrainMicroBatch, reset_shared_clips
 from .logprobs import DEFAULT_CHUNK_TOKENS, token_logprobs
 
 DEFAULT_FUSED_LM_HEAD = True
@@ -134,8 +134,7 @@ def run_schedule(model, microbatches: Sequence[TrainMicroBatch], loss_for: Calla
     if not microbatches:
         return []
     get_model_config(chunks[0]).variable_seq_lengths = True  # packed micro-batches differ in T
-    for shared in {id(m.clip_use.shared): m.clip_use.shared for m in microbatches if m.clip_use is not None}.values():
-        shared.reset()  # the shared clips' embeddings are of this pass's weights
+    reset_shared_clips(microbatches)  # the shared clips' tower output is of this pass's weights
     fb = get_forward_backward_func()
     kw = dict(forward_step_func=partial(_forward_step, has_float16_wrapper(chunks[0]), bool(fused_lm_head), loss_for,
                                         graphs=None if forward_only else graphs, routes=routes),

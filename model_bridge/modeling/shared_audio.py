@@ -39,14 +39,11 @@ __all__ = ["SharedClips", "ClipUse"]
 class SharedClips:
     """Clips (host features ``[M, F_c]`` each) that several samples of one pass use (module doc)."""
 
-    def __init__(self, features_MF: Sequence[torch.Tensor], n_window: int):
-        from .audio import audio_output_lengths
-
+    def __init__(self, features_MF: Sequence[torch.Tensor]):
         if not features_MF:
             raise ValueError("SharedClips needs at least one clip")
-        self.features_MF = [f for f in features_MF]
+        self.features_MF = list(features_MF)
         self.lens = [int(f.shape[-1]) for f in self.features_MF]
-        self.tokens = [int(n) for n in audio_output_lengths(torch.tensor(self.lens), n_window).tolist()]
         self._leaf: Optional[list[torch.Tensor]] = None  # [N_c, O] per clip, grad accumulates over uses
 
     def __len__(self) -> int:
@@ -62,25 +59,26 @@ class SharedClips:
         p = tower.conv2d1.weight
         return tower(self.features_MF[c].to(p.device, p.dtype, non_blocking=True), torch.tensor([self.lens[c]]))
 
-    def _compute(self, tower) -> list[torch.Tensor]:
-        with torch.no_grad():  # no activations are kept
-            # float32 leaves: the uses' gradients add up as in the fp32 grad buffers
-            return [self._run(tower, c).float().requires_grad_(True) for c in range(len(self))]
+    def _leaves(self, tower) -> list[torch.Tensor]:
+        """Every clip's tower output, computed at the first use of the pass."""
+        if self._leaf is None:
+            with torch.no_grad():  # no activations are kept
+                # float32 leaves: the uses' gradients add up as in the fp32 grad buffers
+                self._leaf = [self._run(tower, c).float().requires_grad_(True) for c in range(len(self))]
+        return self._leaf
 
     def embeddings(self, tower, wanted: Sequence[int]) -> list[torch.Tensor]:
         """The tower's output ``[N_c, O]`` for clips ``wanted`` (indices into this object): rows of the
         cached leaves, whose gradient accumulates until the last user recomputes."""
-        if self._leaf is None:
-            self._leaf = self._compute(tower)
-        return [self._leaf[c] for c in wanted]
+        leaves = self._leaves(tower)
+        return [leaves[c] for c in wanted]
 
     def last_use(self, tower, wanted: Sequence[int]) -> list[torch.Tensor]:
         """As :meth:`embeddings`, in the micro-batch that uses these clips last: its backward sends the
         gradient of every use (earlier ones from the leaves) through the recomputed tower."""
-        if self._leaf is None:
-            self._leaf = self._compute(tower)
         if not torch.is_grad_enabled():
-            return [self._leaf[c] for c in wanted]
+            return self.embeddings(tower, wanted)
+        self._leaves(tower)
         anchor = next(p for p in tower.parameters() if p.requires_grad)
         outs = _RecomputeTower.apply(self, tower, tuple(int(c) for c in wanted), anchor)
         return list(outs)
