@@ -29,6 +29,9 @@ megatron's schedule and the host gaps between micro-batches), optimizer, other (
 the optimizer step against its memory-bandwidth bound (``_train_systems.optimizer_bound``);
 featurise + pack + H2D against the 5% target; the budget ``packing.max_tokens_per_microbatch: auto``
 would pick on this engine (``auto_budget``, next to the measured ``peak_mem_gib``).
+``--profile SYSTEMS``: one more step of each named system under ``torch.profiler`` after the timed
+rounds; its top device kernels and top host ops into ``profile_NAME.txt`` and the JSON's
+``profiles`` (a system whose host table adds up to more than its device table is launch-bound).
 """
 from __future__ import annotations
 
@@ -53,7 +56,7 @@ SYSTEMS = ("train", "train_split", "stack", "stack_lm", "audio", "h2d")
 def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16, mb_tokens: int = 4096,
               systems=SYSTEMS, warmup: int = 1, iters: int = 3, seed: int = 0, tiny: bool = False,
               device: str | None = None, work_dir=None, host_features: bool = False, hf_dir=None,
-              cuda_graphs: bool = True, shared_clips: bool = True) -> dict:
+              cuda_graphs: bool = True, shared_clips: bool = True, profile=()) -> dict:
     """Run the benchmark (module docstring); write ``bench_train.json`` / ``.png`` under ``out_dir``."""
     import torch
 
@@ -118,6 +121,7 @@ def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16
                 if r >= warmup:
                     rows[n].append(res)
             say(f"round {r + 1}/{warmup + iters} done")
+        profiles = {n: _profile(fn, out / f"profile_{n}.txt") for n, fn in bench.systems(list(profile)).items()}
         res = {"env": _env(dev), "device": str(dev), "checkpoint": str(ckpt), "layers": None if tiny else layers,
                "audio_layers": None if tiny else audio_layers, "tiny": tiny, "samples": samples,
                "mb_tokens": mb_tokens, "auto_budget": auto_budget, "host_features": host_features, "cuda_graphs": graphs is not None,
@@ -132,7 +136,7 @@ def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16
                "systems": {n: _summary(v, bench.real_tokens) for n, v in rows.items()},
                "optimizer_bound": optimizer_bound(engine, dev),
                "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None,
-               "last_train_metrics": getattr(bench, "last_metrics", None)}
+               "last_train_metrics": getattr(bench, "last_metrics", None), "profiles": profiles}
         res["featurizer"] = "device" if type(featurize).__name__ == "DeviceFeaturizer" else "host"
         res["report"] = report(res)
     finally:
@@ -145,6 +149,37 @@ def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16
     _plot(res, out / "bench_train.png")
     _print_table(res)
     return res
+
+
+PROFILE_TOP = 30
+"""Kernels (by total device time) a ``--profile`` table keeps."""
+
+
+def _profile(fn, path: Path) -> dict:
+    """One more (untimed) step of a system under ``torch.profiler``: its top device kernels (on CUDA)
+    and its top host ops, each by total self time (name, calls, total ms, share of that side's
+    profiled time), into ``path`` and returned as ``{"device": rows, "host": rows}``. The host table
+    shows where a step that leaves the device idle spends its time (launches, copies, syncs)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        fn()
+    events = prof.key_averages()
+    tables, text = {}, []
+    for side, is_cuda, attr in (("device", True, "self_device_time_total"), ("host", False, "self_cpu_time_total")):
+        if is_cuda and not cuda:
+            continue
+        mine = [e for e in events if (e.device_type.name == "CUDA") == is_cuda]
+        total = sum(getattr(e, attr) for e in mine) or 1.0
+        rows = sorted(({"name": e.key[:160], "calls": e.count, "total_ms": getattr(e, attr) / 1e3,
+                        "share": getattr(e, attr) / total} for e in mine), key=lambda r: -r["total_ms"])[:PROFILE_TOP]
+        tables[side] = rows
+        text.append(f"# {side} self time, {total / 1e3:.1f} ms in all\n" + "".join(
+            f"{r['total_ms']:10.2f} ms {100 * r['share']:5.1f}% {r['calls']:7d}  {r['name']}\n" for r in rows))
+    path.write_text("\n".join(text))
+    return tables
 
 
 def _summary(rows: list[dict], tokens: int) -> dict:
@@ -238,15 +273,16 @@ def _plot(res: dict, path: Path) -> None:
 
 def _cmd(args: argparse.Namespace) -> int:
     systems = [x for x in args.systems.split(",") if x]
-    unknown = [x for x in systems if x not in SYSTEMS]
+    unknown = [x for x in systems + args.profile.split(",") if x and x not in SYSTEMS]
     if unknown:
-        print(f"mgrpo bench train: --systems: unknown {', '.join(unknown)}; choose from {','.join(SYSTEMS)}",
+        print(f"mgrpo bench train: --systems/--profile: unknown {', '.join(unknown)}; choose from {','.join(SYSTEMS)}",
               file=sys.stderr)
         return 2
     run_bench(args.out, layers=args.layers, audio_layers=args.audio_layers, samples=args.samples,
               mb_tokens=args.mb_tokens, systems=systems, warmup=args.warmup, iters=args.iters, seed=args.seed,
               tiny=args.tiny, device=args.device, work_dir=args.work_dir, host_features=args.host_features,
-              hf_dir=args.hf_dir, cuda_graphs=not args.no_cuda_graphs, shared_clips=not args.no_shared_clips)
+              hf_dir=args.hf_dir, cuda_graphs=not args.no_cuda_graphs, shared_clips=not args.no_shared_clips,
+              profile=[x for x in args.profile.split(",") if x])
     return 0
 
 
@@ -270,6 +306,8 @@ def add_parser(bsub) -> argparse.ArgumentParser:
                    help="train eagerly; the bench replays CUDA graphs on GPU by default (mgrpo train: trainer.cuda_graphs, off by default)")
     s.add_argument("--no-shared-clips", action="store_true",
                    help="run a group's shared recording through the audio tower once per sample (trainer.shared_clips: false)")
+    s.add_argument("--profile", default="", help="comma-separated systems to run once more under torch.profiler "
+                                                 "after the timed rounds: their top kernels into profile_NAME.txt and the JSON")
     s.add_argument("--hf-dir", default=None, help="train this checkpoint instead of generating one (--tiny: its "
                                                  "clip lengths)")
     s.add_argument("--work-dir", default=None, help="where the generated checkpoint goes (default --out)")

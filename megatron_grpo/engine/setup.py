@@ -238,9 +238,33 @@ def build_optimizer(model: list, optim: OptimConfig, dtype: torch.dtype):
         params_dtype=dtype, use_distributed_optimizer=optim.use_distributed_optimizer,
         overlap_param_gather=optim.overlap_param_gather)
     optimizer = get_megatron_optimizer(cfg, model)
+    use_fused_torch_adam(optimizer)
     config = unwrapped(model[0]).config
     config.grad_scale_func = optimizer.scale_loss
     return optimizer, build_scheduler(optimizer, optim)
+
+
+def use_fused_torch_adam(optimizer) -> int:
+    """Without Transformer Engine or Apex megatron steps torch's AdamW with its default foreach
+    kernels, which pass over the fp32 master weights, grads and moments several times (78 ms for a
+    4-layer step against a 24 ms bandwidth bound on an H200). torch's fused kernel reads and writes
+    each once. Switched on for torch Adam groups whose parameters all live on CUDA, before the first
+    step (its ``step`` state is then created on the device, as the fused kernel needs); CPU runs
+    keep the foreach path. Returns the number of groups switched."""
+    from .ckpt_adam import inner_optimizers, is_torch_adam
+
+    switched = 0
+    for sub in inner_optimizers(optimizer):
+        inner = getattr(sub, "optimizer", None)
+        if not is_torch_adam(inner) or any(inner.state.values()):
+            continue
+        for group in inner.param_groups:
+            if group["params"] and all(p.is_cuda for p in group["params"]) and not group.get("differentiable"):
+                group["fused"], group["foreach"] = True, False
+                switched += 1
+        if switched:
+            inner.defaults["fused"], inner.defaults["foreach"] = True, False
+    return switched
 
 
 def build_scheduler(optimizer, optim: OptimConfig):

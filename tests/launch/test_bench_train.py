@@ -45,16 +45,24 @@ def _check(res):
 
 
 def test_bench_train_tiny_cpu(tmp_path, tiny_ckpt):
-    res, _ = _run(tmp_path, tiny_ckpt, "--device", "cpu")
+    res, out = _run(tmp_path, tiny_ckpt, "--device", "cpu", "--profile", "audio")
     _check(res)
     assert res["featurizer"] == "host" and res["device"] == "cpu"
+    prof = res["profiles"]["audio"]
+    assert set(prof) == {"host"}  # no device table without CUDA
+    rows = prof["host"]  # the tower's own ops, largest first
+    assert rows and any("conv" in r["name"] for r in rows), rows
+    assert [r["total_ms"] for r in rows] == sorted((r["total_ms"] for r in rows), reverse=True)
+    assert (out / "profile_audio.txt").read_text().count("\n") == len(rows) + 1
     assert res["cuda_graphs"] is False and res["cuda_graphs_fallback"] == "no CUDA device (graphs are a GPU feature)"
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bench_train_tiny_gpu(tmp_path, tiny_ckpt):
-    res, _ = _run(tmp_path, tiny_ckpt)
+    res, _ = _run(tmp_path, tiny_ckpt, "--profile", "audio")
     _check(res)
+    prof = res["profiles"]["audio"]
+    assert any("conv" in r["name"].lower() for r in prof["device"]) and prof["host"], prof
     assert res["featurizer"] == "device" and res["device"].startswith("cuda")
     assert res["cuda_graphs"] is True and res["graph_replays"] > 0 and res["graph_buckets"]
