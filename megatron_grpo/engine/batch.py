@@ -32,6 +32,7 @@ import torch
 
 from megatron_grpo.packing import (MicroBatch, PackLimits, PackPlan, as_1d, build_rank_microbatches,
                                    pack_per_token, to_device)
+from model_bridge.modeling.audio import TOKENS_PER_FULL_CHUNK
 from model_bridge.modeling.shared_audio import ClipUse, SharedClips
 
 __all__ = ["TrainMicroBatch", "Featurizer", "build_train_microbatches", "featurizer_from_extractor",
@@ -326,7 +327,14 @@ def build_train_microbatches(trajectories: Sequence, plan: PackPlan, dp_rank: in
                     order.append(-1 - c)
                     shared_feats[c] = f
         per_mb.append((feats, lens, order))
-    shared = SharedClips([shared_feats[c] for c in range(len(shared_ix))]) if shared_ix else None
+    shared = None
+    if shared_ix:  # recompute batches of at most a micro-batch's budget of audio frames (shared_audio.py)
+        max_frames = config.max_tokens_per_microbatch * 2 * n_window // TOKENS_PER_FULL_CHUNK
+        shared = SharedClips([shared_feats[c] for c in range(len(shared_ix))], max_frames=max_frames)
+        batch_last: dict[int, int] = {}
+        for c, k in last_user.items():
+            b = shared.batch_of[c]
+            batch_last[b] = max(k, batch_last.get(b, k))
     for k, (mb, (feats, lens, order)) in enumerate(zip(mbs, per_mb)):
         rollout_T = pack_per_token(mb, rollout)
         sid = mb.sample_index_T
@@ -334,7 +342,7 @@ def build_train_microbatches(trajectories: Sequence, plan: PackPlan, dp_rank: in
         ref_T = None if refs is None else pack_per_token(mb, refs).to(torch.float32)
         use = None
         if shared is not None and any(c < 0 for c in order):
-            use = ClipUse(shared, tuple(order), tuple(sorted(c for c, last in last_user.items() if last == k)))
+            use = ClipUse(shared, tuple(order), tuple(sorted(b for b, last in batch_last.items() if last == k)))
         routes_TLK = None
         if routes:
             from megatron_grpo.engine.routes import pack_routes

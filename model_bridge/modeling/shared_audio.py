@@ -5,23 +5,28 @@ or several micro-batches of a rank. Each sample's copy of the recording used to 
 tower forward and backward, ``G`` times the same work. :class:`SharedClips` holds the clips that
 one rank's pass uses more than once; each is computed as follows:
 
-* forward: the tower once per clip, without autograd, at the first micro-batch that uses it
-  (:meth:`SharedClips.embeddings`); every use takes rows of that result;
-* backward: the micro-batches before the clip's *last user* accumulate their gradients into a leaf
-  (``autograd`` sums a leaf's gradient over uses); the last user's rows come from
-  :class:`_RecomputeTower`, whose backward adds that leaf's gradient to its own, runs the tower
-  again with autograd on each clip and back-propagates the sum (activation recomputation, as
-  megatron's ``CheckpointFunction``), so the tower's parameters get their gradient once, inside
-  the last user's backward (megatron's DDP sees them as any micro-batch's gradient).
+* batches: the clips are cut, in first-use order, into batches of at most ``max_frames`` frames
+  (a longer clip is a batch of its own); the tower runs on a whole batch in one call, so a pass
+  launches its kernels once per batch instead of once per clip;
+* forward: the tower once per batch, without autograd, at the first micro-batch that uses one of
+  its clips (:meth:`SharedClips.embeddings`); every use takes rows of that result;
+* backward: the uses' gradients accumulate into a float32 leaf per clip (``autograd`` sums a leaf's
+  gradient over uses) until the batch's *last user*, the last micro-batch that uses any clip of the
+  batch. There :class:`_RecomputeTower` adds the leaves' gradients to its own, runs the tower again
+  with autograd on the batch (the same call as the first pass, so the same values) and
+  back-propagates the sum (activation recomputation, as megatron's ``CheckpointFunction``), so the
+  tower's parameters get their gradient once per batch, inside a micro-batch's backward
+  (megatron's DDP sees them as any micro-batch's gradient).
 
 Cost per clip used ``k`` times: two forwards and one backward instead of ``k`` forwards and
 backwards (about 4 forward-units instead of ``3k``), so only clips with ``k >= 2`` belong here;
-memory: one clip's activations at a time, plus the clips' embeddings and their gradient
-(``[tokens, out]`` each). The gradient is the eager one up to the order of a sum (exact math).
+memory: one batch's activations at a time (``max_frames``: the callers pass a micro-batch's token
+budget in frames, so no more than a micro-batch's own audio), plus the clips' embeddings and their
+gradient (``[tokens, out]`` each). The gradient is the eager one up to the order of a sum.
 
 Schedules run every micro-batch's backward in forward order (megatron's no-pipelining and 1F1B
-schedules), so the last user's backward comes after every earlier user's; :meth:`reset` before
-each pass (the weights may have changed) drops the cached embeddings.
+schedules), so a batch's last user's backward comes after every earlier user's; :meth:`reset`
+before each pass (the weights may have changed) drops the cached embeddings.
 
 Shape legend: ``M`` mel bins, ``F`` frames, ``N`` audio tokens (tower output rows), ``O`` the
 tower's output width.
@@ -37,13 +42,22 @@ __all__ = ["SharedClips", "ClipUse"]
 
 
 class SharedClips:
-    """Clips (host features ``[M, F_c]`` each) that several samples of one pass use (module doc)."""
+    """Clips (host features ``[M, F_c]`` each) that several samples of one pass use (module doc),
+    cut into batches of at most ``max_frames`` frames (None: one batch)."""
 
-    def __init__(self, features_MF: Sequence[torch.Tensor]):
+    def __init__(self, features_MF: Sequence[torch.Tensor], max_frames: Optional[int] = None):
         if not features_MF:
             raise ValueError("SharedClips needs at least one clip")
         self.features_MF = list(features_MF)
         self.lens = [int(f.shape[-1]) for f in self.features_MF]
+        self.batches: list[tuple[int, ...]] = []
+        for c, n in enumerate(self.lens):
+            last = self.batches[-1] if self.batches else None
+            if last is not None and (max_frames is None or sum(self.lens[j] for j in last) + n <= max_frames):
+                self.batches[-1] = last + (c,)
+            else:
+                self.batches.append((c,))
+        self.batch_of = {c: b for b, clips in enumerate(self.batches) for c in clips}
         self._leaf: Optional[list[torch.Tensor]] = None  # [N_c, O] per clip, grad accumulates over uses
 
     def __len__(self) -> int:
@@ -53,63 +67,79 @@ class SharedClips:
         """Forget the embeddings (a new pass: the weights may have changed)."""
         self._leaf = None
 
-    def _run(self, tower, c: int) -> torch.Tensor:
-        """The tower on clip ``c`` alone: ``[N_c, O]`` (the same shapes in the first pass and the
+    def _run(self, tower, b: int) -> list[torch.Tensor]:
+        """The tower on batch ``b``: ``[N_c, O]`` per clip (the same call in the first pass and the
         recomputation, so both give the same values)."""
+        from .audio import audio_output_lengths
+
         p = tower.conv2d1.weight
-        return tower(self.features_MF[c].to(p.device, p.dtype, non_blocking=True), torch.tensor([self.lens[c]]))
+        clips = self.batches[b]
+        feats = torch.cat([self.features_MF[c] for c in clips], dim=1) if len(clips) > 1 else self.features_MF[clips[0]]
+        lens = [self.lens[c] for c in clips]
+        out_NO = tower(feats.to(p.device, p.dtype, non_blocking=True), torch.tensor(lens))
+        return list(out_NO.split([int(audio_output_lengths(n, tower.audio.n_window)) for n in lens]))
 
     def _leaves(self, tower) -> list[torch.Tensor]:
         """Every clip's tower output, computed at the first use of the pass."""
         if self._leaf is None:
+            leaf: list = [None] * len(self)
             with torch.no_grad():  # no activations are kept
-                # float32 leaves: the uses' gradients add up as in the fp32 grad buffers
-                self._leaf = [self._run(tower, c).float().requires_grad_(True) for c in range(len(self))]
+                for b, clips in enumerate(self.batches):
+                    # float32 leaves: the uses' gradients add up as in the fp32 grad buffers
+                    for c, out in zip(clips, self._run(tower, b)):
+                        leaf[c] = out.float().requires_grad_(True)
+            self._leaf = leaf
         return self._leaf
 
     def embeddings(self, tower, wanted: Sequence[int]) -> list[torch.Tensor]:
         """The tower's output ``[N_c, O]`` for clips ``wanted`` (indices into this object): rows of the
-        cached leaves, whose gradient accumulates until the last user recomputes."""
+        cached leaves, whose gradient accumulates until their batch's last user recomputes."""
         leaves = self._leaves(tower)
         return [leaves[c] for c in wanted]
 
-    def last_use(self, tower, wanted: Sequence[int]) -> list[torch.Tensor]:
-        """As :meth:`embeddings`, in the micro-batch that uses these clips last: its backward sends the
-        gradient of every use (earlier ones from the leaves) through the recomputed tower."""
+    def last_use(self, tower, wanted: Sequence[int], batches: Sequence[int]) -> list[torch.Tensor]:
+        """As :meth:`embeddings` for clips ``wanted``, in the micro-batch that is the last user of
+        ``batches`` (which hold every clip of ``wanted``): its backward sends the gradient of every
+        use of those batches' clips (earlier ones from the leaves) through the recomputed tower."""
         if not torch.is_grad_enabled():
             return self.embeddings(tower, wanted)
         self._leaves(tower)
         anchor = next(p for p in tower.parameters() if p.requires_grad)
-        outs = _RecomputeTower.apply(self, tower, tuple(int(c) for c in wanted), anchor)
-        return list(outs)
+        return list(_RecomputeTower.apply(self, tower, tuple(int(c) for c in wanted),
+                                          tuple(int(b) for b in batches), anchor))
 
-    def _backward(self, tower, wanted: Sequence[int], grads: Sequence[Optional[torch.Tensor]]) -> None:
-        """Gradient of every use of ``wanted`` through the tower, one clip at a time."""
-        for c, g in zip(wanted, grads):
-            leaf = self._leaf[c]
-            total = leaf.grad if g is None else (g if leaf.grad is None else g + leaf.grad)
-            leaf.grad = None
-            if total is None:
+    def _backward(self, tower, wanted: Sequence[int], batches: Sequence[int],
+                  grads: Sequence[Optional[torch.Tensor]]) -> None:
+        """Gradient of every use of the clips of ``batches`` through the tower, one batch at a time."""
+        mine = dict(zip(wanted, grads))
+        for b in batches:
+            totals = []
+            for c in self.batches[b]:
+                leaf, g = self._leaf[c], mine.get(c)
+                totals.append(leaf.grad if g is None else (g if leaf.grad is None else g + leaf.grad))
+                leaf.grad = None
+            if all(t is None for t in totals):
                 continue  # no use reached the loss
             with torch.enable_grad():
-                out_NO = self._run(tower, c)
-            torch.autograd.backward(out_NO, total.to(out_NO.dtype))
+                outs = self._run(tower, b)
+            torch.autograd.backward([o for o, t in zip(outs, totals) if t is not None],
+                                    [t.to(o.dtype) for o, t in zip(outs, totals) if t is not None])
 
 
 class _RecomputeTower(torch.autograd.Function):
     """Forward: the cached embeddings of ``wanted`` (copies, so this node owns them). Backward: their
-    gradient plus the earlier uses' through the recomputed tower; ``anchor`` (a tower parameter)
-    only puts the node in the graph and gets no gradient from it."""
+    gradient plus the earlier uses' of every clip of ``batches`` through the recomputed tower;
+    ``anchor`` (a tower parameter) only puts the node in the graph and gets no gradient from it."""
 
     @staticmethod
-    def forward(ctx, shared: SharedClips, tower, wanted: tuple, anchor):
-        ctx.shared, ctx.tower, ctx.wanted = shared, tower, wanted
+    def forward(ctx, shared: SharedClips, tower, wanted: tuple, batches: tuple, anchor):
+        ctx.shared, ctx.tower, ctx.wanted, ctx.batches = shared, tower, wanted, batches
         return tuple(shared._leaf[c].detach().clone() for c in wanted)
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.shared._backward(ctx.tower, ctx.wanted, grads)
-        return None, None, None, None
+        ctx.shared._backward(ctx.tower, ctx.wanted, ctx.batches, grads)
+        return None, None, None, None, None
 
 
 @dataclass(frozen=True)
@@ -122,12 +152,16 @@ class ClipUse:
     """Per clip of the micro-batch in token order: ``j >= 0`` its own clip ``j`` (in
     ``audio_features``), ``-1 - c`` shared clip ``c``."""
     last: tuple[int, ...] = ()
-    """Shared clips whose last user this micro-batch is."""
+    """Batches of ``shared`` (``SharedClips.batches``) whose last user this micro-batch is: their
+    recomputation runs in its backward."""
 
     def __post_init__(self):
         bad = [c for c in self.order if c < -len(self.shared)]
         if bad:
             raise ValueError(f"ClipUse.order names shared clip(s) {[-1 - c for c in bad]} of {len(self.shared)}")
+        unused = [b for b in self.last if not any(self.shared.batch_of[-1 - c] == b for c in self.order if c < 0)]
+        if unused:
+            raise ValueError(f"ClipUse.last names shared batch(es) {unused} that this micro-batch does not use")
 
     @property
     def num_own(self) -> int:
@@ -141,9 +175,9 @@ class ClipUse:
             raise ValueError(f"the micro-batch has {self.num_own} own clip(s) but the tower got {len(own)}")
         wanted = sorted({-1 - c for c in self.order if c < 0})
         last = set(self.last)
-        early = [c for c in wanted if c not in last]
-        late = [c for c in wanted if c in last]
+        early = [c for c in wanted if self.shared.batch_of[c] not in last]
+        late = [c for c in wanted if self.shared.batch_of[c] in last]
         got = dict(zip(early, self.shared.embeddings(tower, early)))
-        got.update(zip(late, self.shared.last_use(tower, late)))
+        got.update(zip(late, self.shared.last_use(tower, late, self.last)))
         dtype = own[0].dtype if own else next(iter(got.values())).dtype
         return torch.cat([own[c] if c >= 0 else got[-1 - c].to(dtype) for c in self.order], dim=0)

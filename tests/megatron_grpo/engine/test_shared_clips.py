@@ -22,9 +22,10 @@ def _wave(seconds: float, seed: int) -> np.ndarray:
     return (0.3 * np.sin(2 * np.pi * 330.0 * t) + 0.05 * rng.standard_normal(t.shape[0])).astype(np.float32)
 
 
-def _data(hf_dir: str) -> list:
-    """GROUP samples of one prompt: the same recording object, each its own crop in a tool turn;
-    sample 0 also hears the recording a second time (two uses in one sample)."""
+def _data(hf_dir: str, records_s=(1.6,)) -> list:
+    """GROUP samples per prompt, one prompt per recording (``records_s``: their lengths): a prompt's
+    samples share its recording object, each has its own crop in a tool turn; sample 0 also hears
+    the recording a second time (two uses in one sample)."""
     from megatron_grpo.engine.batch import featurizer_from_extractor
     from megatron_grpo.trajectory import Trajectory
     from model_bridge.config import read_omni_config
@@ -40,10 +41,10 @@ def _data(hf_dir: str) -> list:
     def tokens(w) -> int:
         return int(audio_output_lengths(featurize([w])[1], spec.audio.n_window)[0])
 
-    record = _wave(1.6, seed=1)
     out = []
-    for k in range(GROUP):
-        crop = _wave(0.4 + 0.1 * k, seed=10 + k)
+    for p, k in ((p, k) for p in range(len(records_s)) for k in range(GROUP)):
+        record = _wave(records_s[p], seed=1 + p) if k == 0 else record
+        crop = _wave(0.4 + 0.1 * k, seed=10 + k + 7 * p)
         clips = [record, crop] + ([record] if k == 0 else [])
         ids, mask = text(5), [0] * 5
         for j, w in enumerate(clips):
@@ -53,7 +54,7 @@ def _data(hf_dir: str) -> list:
             gen = text(12 + 3 * k + j)
             ids += gen
             mask += [1] * len(gen)
-        out.append(Trajectory(prompt_index=0, group_id=0, input_ids_T=ids, loss_mask_T=mask,
+        out.append(Trajectory(prompt_index=p, group_id=p, input_ids_T=ids, loss_mask_T=mask,
                               rollout_logprobs_T=[-0.5 * m for m in mask], audios=clips,
                               audio_token_counts=[tokens(w) for w in clips], advantage=float(k) - 1.5))
     return out
@@ -108,7 +109,8 @@ def _run(hf_dir: str, trajs: list, tp: int) -> dict:
         engine.optimizer.zero_grad()
         frames.clear()
         metrics = forward_backward(engine, mbs, step_cfg, force_all_reduce=True)
-        out[share] = dict(loss=metrics["loss"], clips=metrics["audio_clips"], frames=list(frames),
+        batches = next((m.clip_use.shared.batches for m in mbs if m.clip_use), ())
+        out[share] = dict(loss=metrics["loss"], clips=metrics["audio_clips"], frames=list(frames), batches=batches,
                           logprobs=[r["logprobs_T"] for r in lps], grads=hf_tensors(engine.model, engine.spec, "grad"),
                           uses=[None if m.clip_use is None else (m.clip_use.order, m.clip_use.last) for m in mbs],
                           own=[m.audio_feature_lens.tolist() if m.audio_feature_lens is not None else [] for m in mbs])
@@ -133,6 +135,11 @@ def test_shared_recording_runs_the_tower_once_with_the_same_step(tiny_ckpt, traj
     # the tower: the recording twice (first pass + recomputation) instead of GROUP + 1 times
     assert sum(alone["frames"]) - sum(shared["frames"]) == (GROUP + 1 - 2) * _record_frames(res), \
         (shared["frames"], alone["frames"])
+    _assert_same_step(res, tp)
+
+
+def _assert_same_step(res, tp):
+    shared, alone = res[True], res[False]
     assert abs(shared["loss"] - alone["loss"]) <= 1e-6, (shared["loss"], alone["loss"])
     for a, b in zip(shared["logprobs"], alone["logprobs"]):
         assert (a - b).abs().max().item() <= 1e-5, (a - b).abs().max().item()
@@ -143,6 +150,22 @@ def test_shared_recording_runs_the_tower_once_with_the_same_step(tiny_ckpt, traj
     assert worst[0] <= 1e-5 * gmax, worst
     tower = [k for k, g in alone["grads"].items() if k.startswith("thinker.audio_tower.") and g.abs().max() > 0]
     assert tower, "the audio tower got no gradient"
+
+
+def test_two_recordings_go_through_the_tower_in_one_batch(tiny_ckpt):
+    """Two groups' recordings fit one recompute batch (the budget's frames): the tower gets both in
+    one call in the first pass and one in the recomputation, in the micro-batch that uses either last,
+    and the step equals the unshared one."""
+    trajs = _data(str(tiny_ckpt), records_s=(1.63, 1.21))  # 163 + 121 frames: no sum of crops (10s of frames)
+    res = run_ranks(_run, 1, str(tiny_ckpt), trajs, 1, timeout=300, env=CPU_ONLY)[0]
+    shared = res[True]
+    assert shared["batches"] == [(0, 1)], shared["batches"]
+    assert shared["frames"].count(163 + 121) == 2, shared["frames"]  # first pass + recomputation
+    lasts = [u[1] for u in shared["uses"] if u is not None]
+    assert lasts.count((0,)) == 1 and all(x in ((), (0,)) for x in lasts), lasts
+    assert lasts.index((0,)) == max(i for i, u in enumerate(shared["uses"]) if u is not None)
+    assert 163 not in shared["frames"] and 121 not in shared["frames"]  # never one recording alone
+    _assert_same_step(res, 1)
 
 
 def _record_frames(res) -> int:
