@@ -38,6 +38,14 @@ def test_cpu_matches_extractor():
     _check("cpu", 1e-4)
 
 
+def test_frames_in_small_chunks_match_the_extractor(monkeypatch):
+    """Chunk boundaries inside clips and between them (37 frames a chunk) change nothing."""
+    import megatron_grpo.data.device_features as df
+
+    monkeypatch.setattr(df, "FRAME_CHUNK", 37)
+    _check("cpu", 1e-4)
+
+
 def test_dither_is_refused():
     fe = _extractor()
     fe.dither = 1e-5
