@@ -66,3 +66,20 @@ def test_bench_train_tiny_gpu(tmp_path, tiny_ckpt):
     assert any("conv" in r["name"].lower() for r in prof["device"]) and prof["host"], prof
     assert res["featurizer"] == "device" and res["device"].startswith("cuda")
     assert res["cuda_graphs"] is True and res["graph_replays"] > 0 and res["graph_buckets"]
+
+
+def test_bench_train_auto_budget_cpu(tmp_path, tiny_ckpt):
+    """``--mb-tokens auto``: the budget ``packing.max_tokens_per_microbatch: auto`` picks (the default on CPU)."""
+    res, _ = _run(tmp_path, tiny_ckpt, "--device", "cpu", "--mb-tokens", "auto", "--systems", "train")
+    assert res["mb_tokens"] == res["auto_budget"] == 4096
+    assert all(t <= 4096 for t in res["micro_batches"]) and set(res["systems"]) == {"train"}
+
+
+@pytest.mark.parametrize("value", ["lots", "0", "-512"])
+def test_bench_train_refuses_a_bad_budget(value, capsys):
+    from launch.bench.train import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--mb-tokens", value])
+    assert e.value.code == 2
+    assert f"argument --mb-tokens: expected a positive number of tokens or auto, got {value!r}" in capsys.readouterr().err
