@@ -6,7 +6,8 @@ and optimizer) and the same trajectories; each is one "step" over the step's mic
   featurizer) -> ``check_schedule`` -> ``train_step``; timed with a sync at its end only;
 * ``train_split``: the same calls with syncs between them, so each part has its time:
   featurise (inside the build), pack (the build minus featurise, plus ``plan_step`` and the
-  schedule check), ``forward_backward``, ``optimizer_update`` (the zeroing of the grads in front
+  schedule check; each of the three also on its own: ``plan_s``, ``build_s``, ``check_s``),
+  ``forward_backward``, ``optimizer_update`` (the zeroing of the grads in front
   goes to ``zero_grad``);
 * ``stack``: the layer stack alone on the same micro-batches (already on the device): the token
   embedding, the decoder layers, the final norm, loss ``sum(hidden * R)`` (``bench layers``' ours);
@@ -108,7 +109,10 @@ class TrainBench:
         _sync(self.device)
         t0 = time.perf_counter()
         plan = plan_step(self.lengths, 1, self.packing)
+        tp = time.perf_counter()
         mbs = self._build(plan, feat)
+        _sync(self.device)  # the build's own device work (the micro-batches' feature copies)
+        tb = time.perf_counter()
         check_schedule(StepSchedule.from_microbatches(self.step_no, mbs))
         _sync(self.device)
         t1 = time.perf_counter()
@@ -123,7 +127,8 @@ class TrainBench:
         up = optimizer_update(self.engine, None, self.step_no)
         _sync(self.device)
         t4 = time.perf_counter()
-        return {"phase_s": t4 - t0, "featurise_s": feat[0], "pack_s": t1 - t0 - feat[0], "zero_grad_s": t2 - t1,
+        return {"phase_s": t4 - t0, "featurise_s": feat[0], "pack_s": t1 - t0 - feat[0], "plan_s": tp - t0,
+                "build_s": tb - tp - feat[0], "check_s": t1 - tb, "zero_grad_s": t2 - t1,
                 "forward_backward_s": t3 - t2, "optimizer_s": t4 - t3, "grad_norm": up["grad_norm"],
                 "loss": fb["loss"], "skipped": up["skipped"]}
 

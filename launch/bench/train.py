@@ -216,6 +216,8 @@ def report(res: dict) -> dict:
         parts["other"] = phase - split["featurise_s_median"] - split["pack_s_median"] - fb - split["optimizer_s_median"]
         r["phase_s"] = phase
         r["parts_s"] = parts
+        if "plan_s_median" in split:  # pack, part by part
+            r["pack_parts_s"] = {k: split[f"{k}_s_median"] for k in ("plan", "build", "check")}
         r["shares"] = {k: None if v is None else v / phase for k, v in parts.items()}
         host = split["featurise_s_median"] + split["pack_s_median"] + (h2d or 0.0)
         r["featurise_pack_h2d_share"] = host / phase
@@ -242,6 +244,8 @@ def _print_table(res: dict) -> None:
     for k, v in r.get("parts_s", {}).items():
         if v is not None:
             print(f"  share {k:24s} {v * 1e3:9.1f} ms  {100 * v / r['phase_s']:5.1f}%")
+    if "pack_parts_s" in r:
+        print("  pack = " + " + ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r["pack_parts_s"].items()))
     for k in ("train_vs_stack_lm_tok_s", "train_vs_stack_tok_s", "featurise_pack_h2d_share",
               "optimizer_vs_bandwidth_bound"):
         if k in r:

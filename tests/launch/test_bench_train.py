@@ -38,6 +38,9 @@ def _check(res):
     assert r["featurise_pack_h2d_share"] == pytest.approx(
         (parts["featurise"] + parts["pack"] + parts["h2d"]) / r["phase_s"])
     assert parts["featurise"] > 0 and parts["optimizer"] > 0
+    runs = split["pack_s"], split["plan_s"], split["build_s"], split["check_s"]
+    assert all(p == pytest.approx(a + b + c, rel=1e-9) for p, a, b, c in zip(*runs))
+    assert set(r["pack_parts_s"]) == {"plan", "build", "check"} and min(r["pack_parts_s"].values()) >= 0
     ob = res["optimizer_bound"]
     assert ob["bound_s"] == pytest.approx(ob["params"] * ob["bytes_per_param"] / ob["copy_bandwidth_B_s"])
     m = res["last_train_metrics"]  # the real train_step ran: loss tokens, clips and a finite grad norm
