@@ -18,8 +18,9 @@ GPU cuFFT's and the GEMM's rounding differ from the CPU's, checked at max abs di
 from __future__ import annotations
 
 import logging
-
-from typing import Sequence
+import os
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -31,6 +32,41 @@ __all__ = ["DeviceFeaturizer", "trainer_featurizer", "FRAME_CHUNK"]
 FRAME_CHUNK = 32768
 """Frames gathered and transformed at once: a ``[FRAME_CHUNK, n_fft]`` float32 block (52 MB at
 n_fft 400) and its index (105 MB), whatever the step's audio."""
+
+
+STAGE_PIECE = 1 << 20
+"""Samples (4 MiB) per piece of the staging copy; the pieces are spread over ``_stage_threads()``
+threads (numpy releases the GIL while it copies)."""
+
+_POOL: Optional[ThreadPoolExecutor] = None
+
+
+def _stage_threads() -> int:
+    return max(1, min(8, (os.cpu_count() or 1) // 2))
+
+
+def _stage_clips(host: np.ndarray, clips: Sequence[np.ndarray], padded: Sequence[int]) -> None:
+    """Write ``clips`` end to end into ``host``, each followed by zeros up to its ``padded`` length,
+    in pieces of at most :data:`STAGE_PIECE` samples over a few threads: a step's waveforms are
+    hundreds of MB, which one thread copies at a fraction of the host's memory bandwidth."""
+    global _POOL
+    pieces, o = [], 0
+    for w, n in zip(clips, padded):
+        pieces += [(o + a, w, a, min(a + STAGE_PIECE, len(w))) for a in range(0, len(w), STAGE_PIECE)]
+        host[o + len(w):o + n] = 0.0
+        o += n
+
+    def copy(batch):
+        for dst, w, a, b in batch:
+            host[dst:dst + b - a] = w[a:b]  # a read-only clip is fine: numpy copies it
+
+    threads = min(_stage_threads(), len(pieces))
+    if threads <= 1:
+        copy(pieces)
+        return
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(_stage_threads(), thread_name_prefix="mgrpo-stage")
+    list(_POOL.map(copy, [pieces[t::threads] for t in range(threads)]))
 
 
 class DeviceFeaturizer:
@@ -65,12 +101,7 @@ class DeviceFeaturizer:
             buf = self._stage[:total]
         else:
             buf = torch.empty(total, dtype=torch.float32)
-        host = buf.numpy()
-        o = 0
-        for w, n in zip(clips, padded):
-            host[o:o + len(w)] = w  # a read-only clip is fine: numpy copies it
-            host[o + len(w):o + n] = 0.0
-            o += n
+        _stage_clips(buf.numpy(), clips, padded)
         if self.device.type != "cuda":
             return buf
         out = buf.to(self.device, non_blocking=True)

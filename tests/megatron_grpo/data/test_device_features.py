@@ -46,6 +46,22 @@ def test_frames_in_small_chunks_match_the_extractor(monkeypatch):
     _check("cpu", 1e-4)
 
 
+def test_staging_in_threaded_pieces_is_exact(monkeypatch):
+    """The staging copy in small pieces over 3 threads: each clip, then zeros to its padded length."""
+    import megatron_grpo.data.device_features as df
+
+    monkeypatch.setattr(df, "STAGE_PIECE", 1000)
+    monkeypatch.setattr(df, "_stage_threads", lambda: 3)
+    monkeypatch.setattr(df, "_POOL", None)
+    clips = _clips(2)
+    padded = [-(-len(w) // 160) * 160 for w in clips]
+    host = np.full(sum(padded), np.nan, dtype=np.float32)
+    df._stage_clips(host, clips, padded)
+    want = np.concatenate([np.pad(w, (0, n - len(w))) for w, n in zip(clips, padded)])
+    assert np.array_equal(host, want)
+    _check("cpu", 1e-4)  # the featurizer through the same path
+
+
 def test_dither_is_refused():
     fe = _extractor()
     fe.dither = 1e-5
