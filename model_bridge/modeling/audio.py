@@ -278,9 +278,12 @@ class AudioTower(MegatronModule):
 
     def _front_end(self, features: torch.Tensor, chunk_lens: torch.Tensor) -> torch.Tensor:
         """Chunks -> conv stack -> conv_out + positions: [K, t_max, D] (padded positions kept)."""
-        chunks = features.T.split(chunk_lens.tolist(), dim=0)  # K x [len_k, M]
-        padded = nn.utils.rnn.pad_sequence(chunks, batch_first=True).transpose(1, 2)  # [K, M, L]
-        x = padded.unsqueeze(1).to(self.conv2d1.weight.dtype)
+        # every chunk's frames into [K, L, M] in one scatter (pad_sequence would copy chunk by chunk:
+        # thousands of launches for a step's minutes of audio); rows past a chunk's length stay 0
+        k, length, m = chunk_lens.numel(), int(chunk_lens.max()), features.shape[0]
+        rows = (torch.arange(length) < chunk_lens[:, None]).flatten().nonzero().squeeze(-1)  # host
+        padded = features.new_zeros(k * length, m).index_copy_(0, to_device_async(rows, features.device), features.T)
+        x = padded.view(k, length, m).transpose(1, 2).unsqueeze(1).to(self.conv2d1.weight.dtype)  # [K, 1, M, L]
         outs = []
         for part in x.split(max(1, self.audio.conv_chunksize), dim=0):  # bounds conv memory
             part = F.gelu(self.conv2d1(part))
