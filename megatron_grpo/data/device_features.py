@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from megatron_grpo.data.features import HOP_LENGTH, _prepare
+from model_bridge.modeling.thd import to_device_async
 
 __all__ = ["DeviceFeaturizer", "trainer_featurizer", "FRAME_CHUNK"]
 
@@ -110,8 +111,9 @@ class DeviceFeaturizer:
         return out
 
     def _log_mel(self, wave: torch.Tensor, starts_C: torch.Tensor, lens_C: torch.Tensor,
-                 frame_starts_C: torch.Tensor, frames: int) -> torch.Tensor:
-        """Log-mel rows ``[frames, M]`` (before the per-clip floor) of every frame of every clip.
+                 frame_starts_C: torch.Tensor, clip_F: torch.Tensor) -> torch.Tensor:
+        """Log-mel rows ``[F, M]`` (before the per-clip floor) of every frame of every clip
+        (``clip_F``: the clip of each frame).
 
         Frame ``f`` of a clip of (hop-padded) length ``L`` covers samples ``f * hop - n_fft // 2``
         to ``+ n_fft`` of the clip reflected at its edges (``torch.stft``'s ``center=True``,
@@ -121,9 +123,9 @@ class DeviceFeaturizer:
         half = self.n_fft // 2
         taps = torch.arange(self.n_fft, device=self.device)
         rows = []
-        for f0 in range(0, frames, FRAME_CHUNK):
-            g = torch.arange(f0, min(frames, f0 + FRAME_CHUNK), device=self.device)
-            c = torch.searchsorted(frame_starts_C, g, right=True) - 1  # the clip of each frame
+        for f0 in range(0, clip_F.shape[0], FRAME_CHUNK):
+            c = clip_F[f0:f0 + FRAME_CHUNK]
+            g = torch.arange(f0, f0 + c.shape[0], device=self.device)
             j = ((g - frame_starts_C[c]) * self.hop - half).unsqueeze(1) + taps  # [n, n_fft] in the clip
             last = (lens_C[c] - 1).unsqueeze(1)
             j = j.abs()  # reflect at the start (j < 0 -> -j)
@@ -138,11 +140,13 @@ class DeviceFeaturizer:
         clips = _prepare(waveforms, self.hop, False)  # checked; padded to the hop while staged
         lens = torch.tensor([-(-len(w) // self.hop) for w in clips], dtype=torch.long)  # frames per clip
         frames = int(lens.sum())
-        frame_starts = torch.cumsum(lens, 0) - lens
-        dev = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
+        # [3, C] to the device in one pinned, non-blocking copy (a pageable copy waits for the stream)
+        geometry = to_device_async(torch.stack([torch.cumsum(lens, 0) - lens, lens, torch.arange(len(clips))]),
+                                   self.device)
+        frame_starts_C, lens_C, ids_C = geometry
+        clip_F = torch.repeat_interleave(ids_C, lens_C, output_size=frames)  # output_size: no host sync
         wave = self._to_device(clips)
-        log_FM = self._log_mel(wave, dev(frame_starts * self.hop), dev(lens * self.hop), dev(frame_starts), frames)
-        clip_F = dev(torch.repeat_interleave(torch.arange(len(clips)), lens))
+        log_FM = self._log_mel(wave, frame_starts_C * self.hop, lens_C * self.hop, frame_starts_C, clip_F)
         top_C = torch.full((len(clips),), -torch.inf, device=self.device).scatter_reduce(
             0, clip_F, log_FM.amax(dim=1), "amax")  # each clip's own maximum: the 8-decade floor is per clip
         log_FM = torch.maximum(log_FM, (top_C - 8.0)[clip_F].unsqueeze(1))
