@@ -283,12 +283,19 @@ class AudioTower(MegatronModule):
         k, length, m = chunk_lens.numel(), int(chunk_lens.max()), features.shape[0]
         rows = (torch.arange(length) < chunk_lens[:, None]).flatten().nonzero().squeeze(-1)  # host
         padded = features.new_zeros(k * length, m).index_copy_(0, to_device_async(rows, features.device), features.T)
-        x = padded.view(k, length, m).transpose(1, 2).unsqueeze(1).to(self.conv2d1.weight.dtype)  # [K, 1, M, L]
+        dtype = self.conv2d1.weight.dtype
+        x = padded.view(k, length, m).transpose(1, 2).unsqueeze(1).to(dtype)  # [K, 1, M, L]
+        # oneDNN's half-precision stride-2 convolution returns garbage (1e36, NaN) for outputs one or
+        # two columns wide on some x86 CPUs (torch 2.13; a 1-frame chunk, e.g. the dummy clip):
+        # half-precision CPU runs convolve in float32
+        conv_dtype = torch.float32 if x.device.type == "cpu" and dtype != torch.float32 else dtype
+        convs = [(c.weight.to(conv_dtype), c.bias.to(conv_dtype)) for c in (self.conv2d1, self.conv2d2, self.conv2d3)]
         outs = []
         for part in x.split(max(1, self.audio.conv_chunksize), dim=0):  # bounds conv memory
-            part = F.gelu(self.conv2d1(part))
-            part = F.gelu(self.conv2d2(part))
-            outs.append(F.gelu(self.conv2d3(part)))
+            part = part.to(conv_dtype)
+            for w, b in convs:
+                part = F.gelu(F.conv2d(part, w, b, stride=2, padding=1))
+            outs.append(part.to(dtype))
         x = torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
         k, c, f, t = x.shape
         x = self.conv_out(x.permute(0, 3, 1, 2).reshape(k, t, c * f))

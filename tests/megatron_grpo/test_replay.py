@@ -186,8 +186,12 @@ def test_record_then_replay_without_a_server(tmp_path):
     # 0 and the ratio is 1), so TP1's and TP2's fp32 reduction orders alone move it by a few fp32
     # eps: measured 1.5e-8 and 1.04e-7 apart in two runs; grad_norm below carries the parity
     assert tp1[0]["loss"] == pytest.approx(live[0]["loss"], abs=5e-7)
-    for k in ("grad_norm", "entropy", "moe_load_balancing_loss"):
+    for k in ("grad_norm", "entropy"):
         assert tp1[0][k] == pytest.approx(live[0][k], rel=1e-5), k  # measured <= 1e-7 (TP1 vs TP2)
+    # the recording's samples differ from run to run (vLLM's CPU sampling is not seeded), and a
+    # token whose top-k experts are near-tied can route differently under TP1's and TP2's reduction
+    # orders, which moves the load-balancing loss by a step: 1.4e-5 relative in one CI run
+    assert tp1[0]["moe_load_balancing_loss"] == pytest.approx(live[0]["moe_load_balancing_loss"], rel=1e-4)
 
     run = tmp_path / "tp2"  # the recording's layout: bit-identical, and across --resume
     r = _mgrpo("train", "trainer.steps=1", *replay, "checkpoint.at_end=true", f"trainer.run_dir={run}")
