@@ -87,12 +87,11 @@ class DeviceFeaturizer:
         self.mel_T = torch.from_numpy(np.asarray(feature_extractor.mel_filters, dtype=np.float32)).T.contiguous() \
             .to(self.device)  # [M, n_fft // 2 + 1]
 
-    def _to_device(self, clips: Sequence[np.ndarray]) -> torch.Tensor:
-        """The clips end to end, each zero-padded to a multiple of the hop, as one float32 tensor on
+    def _to_device(self, clips: Sequence[np.ndarray], padded: Sequence[int]) -> torch.Tensor:
+        """The clips end to end, each zero-padded to its ``padded`` length (a multiple of the hop), as one float32 tensor on
         the device. On CUDA they are written into a pinned staging buffer kept across calls (grown
         as needed) and cross in one asynchronous copy; the next call waits for that copy before it
         writes the buffer again."""
-        padded = [-(-len(w) // self.hop) * self.hop for w in clips]
         total = sum(padded)
         if self.device.type == "cuda":
             if self._copied is not None:
@@ -145,7 +144,7 @@ class DeviceFeaturizer:
                                    self.device)
         frame_starts_C, lens_C, ids_C = geometry
         clip_F = torch.repeat_interleave(ids_C, lens_C, output_size=frames)  # output_size: no host sync
-        wave = self._to_device(clips)
+        wave = self._to_device(clips, (lens * self.hop).tolist())
         log_FM = self._log_mel(wave, frame_starts_C * self.hop, lens_C * self.hop, frame_starts_C, clip_F)
         top_C = torch.full((len(clips),), -torch.inf, device=self.device).scatter_reduce(
             0, clip_F, log_FM.amax(dim=1), "amax")  # each clip's own maximum: the 8-decade floor is per clip

@@ -258,12 +258,13 @@ def use_fused_torch_adam(optimizer) -> int:
         inner = getattr(sub, "optimizer", None)
         if not is_torch_adam(inner) or any(inner.state.values()):
             continue
-        for group in inner.param_groups:
-            if group["params"] and all(p.is_cuda for p in group["params"]) and not group.get("differentiable"):
-                group["fused"], group["foreach"] = True, False
-                switched += 1
-        if switched:
+        groups = [g for g in inner.param_groups
+                  if g["params"] and all(p.is_cuda for p in g["params"]) and not g.get("differentiable")]
+        for group in groups:
+            group["fused"], group["foreach"] = True, False
+        if groups:
             inner.defaults["fused"], inner.defaults["foreach"] = True, False
+        switched += len(groups)
     return switched
 
 
