@@ -88,10 +88,10 @@ class DeviceFeaturizer:
             .to(self.device)  # [M, n_fft // 2 + 1]
 
     def _to_device(self, clips: Sequence[np.ndarray], padded: Sequence[int]) -> torch.Tensor:
-        """The clips end to end, each zero-padded to its ``padded`` length (a multiple of the hop), as
-        one float32 tensor on the device. On CUDA they are written into a pinned staging buffer kept across calls (grown
-        as needed) and cross in one asynchronous copy; the next call waits for that copy before it
-        writes the buffer again."""
+        """The clips end to end, each zero-padded to its ``padded`` length (a multiple of the hop),
+        as one float32 tensor on the device. On CUDA they are written into a pinned staging buffer
+        kept across calls (grown as needed) and cross in one asynchronous copy; the next call waits
+        for that copy before it writes the buffer again."""
         total = sum(padded)
         if self.device.type == "cuda":
             if self._copied is not None:
