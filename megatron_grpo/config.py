@@ -130,10 +130,12 @@ class WeightSyncSection:
 class PackingSection:
     """How a step's samples become THD micro-batches (megatron_grpo/packing.py)."""
 
-    max_tokens_per_microbatch: Union[int, Literal["auto"]] = 4096
+    max_tokens_per_microbatch: Union[int, Literal["auto"]] = "auto"
     """Token budget of one micro-batch, padding included (rounded to the TP size). ``auto``: from
     the free GPU memory after the model and optimizer are built and the model's geometry
-    (``engine/budget.py``; the smallest over the ranks; logged); 4096 on CPU."""
+    (``engine/budget.py``; the smallest over the ranks; logged; at most 65,536); 4096 on CPU. Fewer,
+    larger micro-batches are faster on GPU (fewer launches and fewer fp32 gradient-buffer adds:
+    docs/performance.md, "Training phase"); set a number to bound activation memory by hand."""
     allow_oversized: bool = True
     """A sample longer than the budget gets a micro-batch of its own (False: error)."""
 

@@ -98,20 +98,6 @@ def _plan_of(dp_size: int, packing, keep_groups: bool) -> Callable:
     return plan_of
 
 
-def _token_budget(cfg: TrainConfig, engine, multiple: int) -> int:
-    """``packing.max_tokens_per_microbatch`` as an int; ``auto``: the smallest over the ranks of
-    each rank's budget from its free memory (``engine/budget.py``)."""
-    from megatron_grpo.engine.budget import resolve_token_budget
-
-    value = cfg.packing.max_tokens_per_microbatch
-    budget = resolve_token_budget(value, engine, chunk_tokens=cfg.trainer.logprob_chunk_size, multiple=multiple)
-    if value == "auto" and dist.get_world_size() > 1:
-        t = torch.tensor([budget], device="cuda" if torch.cuda.is_available() else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        budget = int(t.item())
-    return budget
-
-
 PREEMPTED_MARKER = "PREEMPTED"
 """run_dir/PREEMPTED (JSON: step, signal, time): the run stopped on SIGUSR1/SIGTERM after saving the
 checkpoint of `step`; the slurm job script then requeues itself (docs/slurm.md). Removed at start."""
@@ -207,6 +193,7 @@ def build_run(cfg: TrainConfig, resume: bool = False) -> Run:
 
     from megatron_grpo.data.device_features import trainer_featurizer
     from megatron_grpo.data.reader import DataIterator, read_jsonl
+    from megatron_grpo.engine.budget import common_token_budget
     from megatron_grpo.engine.checkpoint import load_checkpoint
     from megatron_grpo.engine.checkpoint_async import Checkpoints, async_save_enabled
     from megatron_grpo.engine.graphs import enable_graphs, trainer_stream
@@ -250,7 +237,8 @@ def build_run(cfg: TrainConfig, resume: bool = False) -> Run:
         featurize = trainer_featurizer(AutoFeatureExtractor.from_pretrained(cfg.model.hf_dir),
                                        cfg.trainer.device_features)
         tp_sp = p.tp if p.tp > 1 else 1
-        budget = _token_budget(cfg, engine, tp_sp)
+        budget = common_token_budget(cfg.packing.max_tokens_per_microbatch, engine,
+                                     chunk_tokens=cfg.trainer.logprob_chunk_size, multiple=tp_sp)
         packing = PackLimits(max_tokens_per_microbatch=round_up(budget, tp_sp),
                              pad_multiple=tp_sp, allow_oversized=cfg.packing.allow_oversized,
                              pad_token_id=int(backend.tokenizer.pad_token_id or 0) if rank == 0 else 0)

@@ -6,9 +6,9 @@ on a generated checkpoint: Qwen3-Omni-30B-A3B's thinker at full width with ``--l
 layers and ``--audio-layers`` full-width audio-tower layers, random weights (``bench convert``'s
 generator); ``--tiny``: the tiny preset (a CPU run in seconds). Inputs: ``--samples`` synthetic
 multi-turn audio-agent trajectories (``_train_data``: 10 s - 5 min recordings, 1-3 ``crop_audio``
-turns with 5-30 s clips, real 16 kHz waveforms), packed with ``--mb-tokens`` (default 4,096, the
-trainer's default budget; ``auto``: the budget ``packing.max_tokens_per_microbatch: auto`` picks on
-this engine). Default ``StepConfig`` (fused LM-head logprob, GRPO loss, on-policy),
+turns with 5-30 s clips, real 16 kHz waveforms), packed with ``--mb-tokens`` (default ``auto``, the
+trainer's default: the budget ``packing.max_tokens_per_microbatch: auto`` picks on this engine,
+4,096 on CPU; or a number). Default ``StepConfig`` (fused LM-head logprob, GRPO loss, on-policy),
 default ``OptimConfig`` (Adam, clip_grad 1.0), the trainer's featurizer (on the GPU:
 ``data/device_features.py``; ``--host-features`` for the host extractor) and the trainer's CUDA
 graphs for the micro-batches' decoder stacks (``engine/graphs.py``; ``--no-cuda-graphs``: eager).
@@ -54,7 +54,7 @@ TARGET_HOST_SHARE = 0.05
 SYSTEMS = ("train", "train_split", "stack", "stack_lm", "audio", "h2d")
 
 
-def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16, mb_tokens: int | str = 4096,
+def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16, mb_tokens: int | str = "auto",
               systems=SYSTEMS, warmup: int = 1, iters: int = 3, seed: int = 0, tiny: bool = False,
               device: str | None = None, work_dir=None, host_features: bool = False, hf_dir=None,
               cuda_graphs: bool = True, shared_clips: bool = True, profile=()) -> dict:
@@ -311,9 +311,9 @@ def add_parser(bsub) -> argparse.ArgumentParser:
     s.add_argument("--layers", type=int, default=4, help="full-width decoder layers (default 4)")
     s.add_argument("--audio-layers", type=int, default=4, help="full-width audio-tower layers (default 4)")
     s.add_argument("--samples", type=int, default=16, help="trajectories per step (default 16)")
-    s.add_argument("--mb-tokens", type=_budget, default=4096,
-                   help="packing budget per micro-batch (default 4096), or auto: what packing.max_tokens_per_microbatch: "
-                        "auto picks on this engine (4096 on CPU)")
+    s.add_argument("--mb-tokens", type=_budget, default="auto",
+                   help="packing budget per micro-batch: auto (default, the trainer's default: what "
+                        "packing.max_tokens_per_microbatch: auto picks on this engine, 4096 on CPU) or a number")
     s.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
     s.add_argument("--warmup", type=int, default=1, help="untimed rounds (default 1)")
     s.add_argument("--iters", type=int, default=3, help="timed rounds, medians reported (default 3)")

@@ -79,7 +79,7 @@ def qwen3_omni_30b_a3b_audio_agent_4x8_h200():
         "loss": {"variant": "grpo", "eps_low": 0.2, "eps_high": 0.28},
         "importance": {"mode": "tis", "tis_cap": 2.0},
         "optimizer": {"lr": 1.0e-6, "warmup_steps": 10, "clip_grad": 1.0, "use_distributed_optimizer": True},
-        "packing": {"max_tokens_per_microbatch": 16384},
+        "packing": {"max_tokens_per_microbatch": "auto"},
         "trainer": {"steps": 500, "prompts_per_step": 32, "run_dir": "/checkpoints/qwen3_omni_audio_agent"},
         "checkpoint": {"every": 20, "keep_last": 3},
         "guard": {"step_timeout_s": 3600},

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import logging
 
-__all__ = ["activation_bytes_per_token", "auto_token_budget", "resolve_token_budget", "DEFAULT_BUDGET"]
+__all__ = ["activation_bytes_per_token", "auto_token_budget", "resolve_token_budget", "common_token_budget",
+           "DEFAULT_BUDGET"]
 
 log = logging.getLogger("megatron_grpo.engine.budget")
 
@@ -75,7 +76,7 @@ def resolve_token_budget(value, engine, *, chunk_tokens: int, multiple: int = 1)
     if value != "auto":
         return int(value)
     if not torch.cuda.is_available():
-        log.warning("packing.max_tokens_per_microbatch=auto on CPU -> %d tokens (the default)", DEFAULT_BUDGET)
+        log.info("packing.max_tokens_per_microbatch=auto on CPU -> %d tokens (the default)", DEFAULT_BUDGET)
         return DEFAULT_BUDGET
     from megatron.core import parallel_state as ps
 
@@ -94,4 +95,18 @@ def resolve_token_budget(value, engine, *, chunk_tokens: int, multiple: int = 1)
                                      adam_params=-(-local // dp), chunk_tokens=chunk_tokens, vocab_local=vocab_local,
                                      multiple=multiple)
     log.warning("%s", line)
+    return budget
+
+
+def common_token_budget(value, engine, *, chunk_tokens: int, multiple: int = 1) -> int:
+    """:func:`resolve_token_budget` agreed by every rank: for ``"auto"`` the smallest of the ranks'
+    budgets (one all-reduce; ranks differ in free memory and in the layers they hold)."""
+    import torch
+    import torch.distributed as dist
+
+    budget = resolve_token_budget(value, engine, chunk_tokens=chunk_tokens, multiple=multiple)
+    if value == "auto" and dist.is_initialized() and dist.get_world_size() > 1:
+        t = torch.tensor([budget], device="cuda" if torch.cuda.is_available() else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        budget = int(t.item())
     return budget

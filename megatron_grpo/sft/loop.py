@@ -41,6 +41,7 @@ def sft(cfg: TrainConfig, resume: bool = False) -> int:
     from megatron_grpo.data.device_features import trainer_featurizer
     from megatron_grpo.data.reader import DataIterator
     from megatron_grpo.engine.batch import build_train_microbatches
+    from megatron_grpo.engine.budget import common_token_budget
     from megatron_grpo.engine.checkpoint import load_checkpoint
     from megatron_grpo.engine.checkpoint_async import Checkpoints, async_save_enabled
     from megatron_grpo.engine.setup import build_engine
@@ -73,11 +74,11 @@ def sft(cfg: TrainConfig, resume: bool = False) -> int:
     featurize = trainer_featurizer(AutoFeatureExtractor.from_pretrained(cfg.model.hf_dir), cfg.trainer.device_features)
     data = DataIterator(read_sft_jsonl(s.data, cfg.data), s.samples_per_step, shuffle=cfg.data.shuffle,
                         seed=cfg.data.seed)
-    budget = cfg.packing.max_tokens_per_microbatch
-    if budget == "auto":  # the step's own memory model is GRPO's; SFT takes the config's fixed default
-        budget = 4096
     tp_sp = p.tp if p.tp > 1 else 1
-    packing = PackLimits(max_tokens_per_microbatch=round_up(int(budget), tp_sp), pad_multiple=tp_sp,
+    # the same train_step as GRPO's (no reference logprobs): the same activation memory per token
+    budget = common_token_budget(cfg.packing.max_tokens_per_microbatch, engine,
+                                 chunk_tokens=cfg.trainer.logprob_chunk_size, multiple=tp_sp)
+    packing = PackLimits(max_tokens_per_microbatch=round_up(budget, tp_sp), pad_multiple=tp_sp,
                          allow_oversized=cfg.packing.allow_oversized, pad_token_id=int(tokenizer.pad_token_id or 0))
     step_cfg = StepConfig(objective="sft", importance=ISConfig(mode="off"), compute_entropy=False,
                           max_consecutive_skips=cfg.trainer.max_consecutive_skips,

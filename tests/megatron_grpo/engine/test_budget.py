@@ -46,12 +46,16 @@ def test_budget_refuses_too_little_memory():
 
 def test_auto_on_cpu_is_the_default(caplog):
     assert resolve_token_budget(3000, None, chunk_tokens=1024) == 3000
-    with caplog.at_level("WARNING", logger="megatron_grpo.engine.budget"):
+    with caplog.at_level("INFO", logger="megatron_grpo.engine.budget"):
         assert resolve_token_budget("auto", None, chunk_tokens=1024) == DEFAULT_BUDGET
     assert "auto on CPU -> 4096 tokens" in caplog.text
 
 
-def test_config_takes_auto():
+def test_config_takes_auto_and_it_is_the_default():
+    from launch.recipes import qwen3_omni_30b_a3b_audio_agent_4x8_h200
     from megatron_grpo.config import load_train_config
 
+    assert load_train_config(None, []).packing.max_tokens_per_microbatch == "auto"
     assert load_train_config(None, ["packing.max_tokens_per_microbatch=auto"]).packing.max_tokens_per_microbatch == "auto"
+    assert load_train_config(None, ["packing.max_tokens_per_microbatch=8192"]).packing.max_tokens_per_microbatch == 8192
+    assert qwen3_omni_30b_a3b_audio_agent_4x8_h200().packing.max_tokens_per_microbatch == "auto"
