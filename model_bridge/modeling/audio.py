@@ -7,7 +7,8 @@ tokens (13 per full chunk), ``D`` the encoder width (``d_model``), ``O`` the out
 thinker's hidden size).
 
 Pipeline (as HF): each clip is cut into chunks, all chunks of all clips are zero-padded to the
-longest chunk and go through three 3x3 stride-2 Conv2d+GELU and ``conv_out`` in one batch;
+longest chunk and go through three 3x3 stride-2 Conv2d+GELU (``audio_conv.py``: the same
+arithmetic, laid out for speed) and ``conv_out`` in one batch;
 sinusoidal positions restart at every chunk; padding positions are dropped; the tokens of all
 clips then run through the encoder layers in ONE packed call, attention restricted to windows
 (``n_window_infer`` frames = ``13 * n_window_infer // (2 * n_window)`` tokens per full window,
@@ -47,6 +48,7 @@ from megatron.core.transformer.module import MegatronModule
 from model_bridge.config import (ConfigError, OmniSpec, ParallelLayout, audio_is_tensor_parallel,
                                  audio_transformer_config)
 
+from .audio_conv import conv_front_end
 from .thd import thd_params, to_device_async
 
 __all__ = ["AudioTower", "audio_output_lengths", "audio_chunk_lengths", "audio_window_cu_seqlens",
@@ -290,12 +292,8 @@ class AudioTower(MegatronModule):
         # half-precision CPU runs convolve in float32
         conv_dtype = torch.float32 if x.device.type == "cpu" and dtype != torch.float32 else dtype
         convs = [(c.weight.to(conv_dtype), c.bias.to(conv_dtype)) for c in (self.conv2d1, self.conv2d2, self.conv2d3)]
-        outs = []
-        for part in x.split(max(1, self.audio.conv_chunksize), dim=0):  # bounds conv memory
-            part = part.to(conv_dtype)
-            for w, b in convs:
-                part = F.gelu(F.conv2d(part, w, b, stride=2, padding=1))
-            outs.append(part.to(dtype))
+        outs = [conv_front_end(part.to(conv_dtype), convs).to(dtype)  # conv_chunksize: bounds conv memory
+                for part in x.split(max(1, self.audio.conv_chunksize), dim=0)]
         x = torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
         k, c, f, t = x.shape
         x = self.conv_out(x.permute(0, 3, 1, 2).reshape(k, t, c * f))
