@@ -169,15 +169,27 @@ def format_seconds(sec: float) -> str:
 # Parsing and validation
 # ---------------------------------------------------------------------------------------------
 
+STRAY_CLOSE_ERROR = ("</tool_call> without an opening <tool_call>: write a call as <tool_call>{\"name\": ..., "
+                     "\"arguments\": {...}}</tool_call>")
+
+
 def parse_tool_calls(text: str) -> list[ToolCall]:
     """Every ``<tool_call>...</tool_call>`` in ``text`` (an unclosed last one too), in order.
 
     A call whose body is not a JSON object ``{"name": str, "arguments": object}`` comes back with
     ``error`` set (and name if it could be read); ``arguments`` may also be a JSON string of an
-    object (some models write that).
+    object (some models write that). A ``</tool_call>`` with no ``<tool_call>`` in the text is one
+    call with an error too: like an unclosed ``<tool_call>``, the model emitted one of the call's
+    two special tokens, so the turn was a call attempt, and the error turn lets it try again
+    instead of the garbled text becoming the answer.
     """
+    text = text or ""
+    if "<tool_call>" not in text and "</tool_call>" in text:
+        raw = text[:text.index("</tool_call>")].strip()[-200:]
+        name = re.search(r'"name"\s*:\s*"([^"]+)"', raw)
+        return [ToolCall(name.group(1) if name else None, {}, raw, STRAY_CLOSE_ERROR)]
     calls = []
-    for m in TOOL_CALL_RE.finditer(text or ""):
+    for m in TOOL_CALL_RE.finditer(text):
         raw = m.group(1).strip()
         closed = bool(m.group(2))
         if not raw:

@@ -52,6 +52,22 @@ def test_parse_unclosed_call():
     assert c.error is None and c.arguments == {"start_sec": 1, "end_sec": 2}
 
 
+def test_parse_stray_close_is_a_failed_call():
+    """A turn that closes a call it never opened (a tiny model's garble) is a call attempt with an
+    error, so the policy answers it with an error tool turn rather than ending the rollout."""
+    text = 'I will crop the part from 23. "crop_audio", "end_sec": 80}}\n</tool_call>'
+    (c,) = parse_tool_calls(text)
+    assert c.error == ("</tool_call> without an opening <tool_call>: write a call as <tool_call>{\"name\": ..., "
+                       "\"arguments\": {...}}</tool_call>")
+    assert c.name is None and c.arguments == {} and c.raw.endswith('"end_sec": 80}}')
+    (c,) = parse_tool_calls('x {"name": "crop_audio", "arguments": {"start_sec": 1}}</tool_call>')
+    assert c.name == "crop_audio" and c.error.startswith("</tool_call> without an opening")
+    # an opening tag anywhere: the usual parse (here a closed call with a stray closer after it)
+    calls = parse_tool_calls('<tool_call>{"name": "x", "arguments": {}}</tool_call> </tool_call>')
+    assert [(c.name, c.error) for c in calls] == [("x", None)]
+    assert parse_tool_calls("the answer [00:01 - 00:02]") == []
+
+
 def test_validate_arguments():
     schema = BUILTIN_TOOLS["crop_audio"].parameters
     assert validate_arguments(schema, {"start_sec": 1, "end_sec": 2.5}) is None
