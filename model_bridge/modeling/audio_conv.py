@@ -25,7 +25,7 @@ __all__ = ["conv_front_end", "conv1_as_gemm"]
 
 _K_ALIGNED = 16
 """The first conv's 9 taps padded to 16 columns: rows of 9 bf16 (18 bytes) are not 16-byte
-aligned, and cuBLAS then runs its align-1 kernels (31 of the 203 ms above)."""
+aligned, and cuBLAS then ran its align-1 kernels (33 of the 203 ms above)."""
 
 
 def conv1_as_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
