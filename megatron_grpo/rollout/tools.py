@@ -34,6 +34,8 @@ __all__ = ["Tool", "ToolCall", "ToolResult", "ToolContext", "ToolRegistry", "Too
            "BUILTIN_TOOLS", "format_seconds"]
 
 TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
+NAME_RE = re.compile(r'"name"\s*:\s*"([^"]+)"')
+"""The tool's name in a call body that is not valid JSON."""
 
 
 class ToolRefused(Exception):
@@ -186,7 +188,7 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
     text = text or ""
     if "<tool_call>" not in text and "</tool_call>" in text:
         raw = text[:text.index("</tool_call>")].strip()[-200:]
-        name = re.search(r'"name"\s*:\s*"([^"]+)"', raw)
+        name = NAME_RE.search(raw)
         return [ToolCall(name.group(1) if name else None, {}, raw, STRAY_CLOSE_ERROR)]
     calls = []
     for m in TOOL_CALL_RE.finditer(text):
@@ -201,7 +203,7 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
             why = f"malformed tool call JSON ({e.msg} at char {e.pos})"
             if not closed:
                 why += "; the <tool_call> is not closed by </tool_call>"
-            name = re.search(r'"name"\s*:\s*"([^"]+)"', raw)
+            name = NAME_RE.search(raw)
             calls.append(ToolCall(name.group(1) if name else None, {}, raw, why))
             continue
         if not isinstance(obj, dict):

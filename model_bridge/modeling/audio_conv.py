@@ -41,7 +41,7 @@ def conv1_as_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> 
     s0, s1, s2 = padded_KMpLp.stride()
     taps = padded_KMpLp.as_strided((k, ho, wo, 3, 3), (s0, 2 * s1, 2 * s2, s1, s2))  # a view: windows
     cols_N16 = x.new_zeros(k * ho * wo, _K_ALIGNED)
-    cols_N16[:, :9] = taps.reshape(k * ho * wo, 9)
+    cols_N16[:, :9].view(k, ho, wo, 3, 3).copy_(taps)  # the windows straight into their columns, one copy
     w_16C = F.pad(weight.reshape(weight.shape[0], 9), (0, _K_ALIGNED - 9)).T
     out_NC = torch.addmm(bias, cols_N16, w_16C)  # [K*Ho*Wo, C]
     return out_NC.view(k, ho, wo, -1).permute(0, 3, 1, 2)
