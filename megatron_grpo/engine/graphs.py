@@ -36,6 +36,8 @@ from typing import Optional
 
 import torch
 
+from . import grad_accum
+
 __all__ = ["MicroBatchGraphs", "graph_fallback_reason", "bucket_sizes", "enable_graphs", "trainer_stream",
            "MAX_SEGMENTS"]
 
@@ -173,8 +175,9 @@ class MicroBatchGraphs:
                 torch.tensor([0] + [tokens] * MAX_SEGMENTS, dtype=torch.int32, device=like.device))
         torch.cuda.synchronize()
         # the GPT model's embedding and output layer are in its parameters but not in this graph
-        graphed = torch.cuda.make_graphed_callables(_Stack(self.thinker, tokens), args, allow_unused_input=True,
-                                                    pool=self.pool)
+        with grad_accum.paused():  # the warm-up and capture take parameter gradients without accumulating
+            graphed = torch.cuda.make_graphed_callables(_Stack(self.thinker, tokens), args, allow_unused_input=True,
+                                                        pool=self.pool)
         torch.cuda.synchronize()
         for k, v in get_moe_layer_wise_logging_tracker().items():
             if k in saved:

@@ -28,6 +28,7 @@ import torch
 
 from model_bridge.config import OmniSpec, ParallelLayout
 
+from . import grad_accum
 from .nonfinite import NonFiniteSkips
 
 __all__ = ["OptimConfig", "Engine", "build_model", "build_optimizer", "build_scheduler", "build_engine",
@@ -220,6 +221,7 @@ def build_model(spec: OmniSpec, layout: ParallelLayout, *, dtype: Optional[torch
         check_for_nan_in_grad=False,  # the step skips a non-finite update (NonFiniteSkips) instead of raising
         bucket_size=optim.bucket_size)
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)
+    grad_accum.install([model])  # micro-batch gradients into the fp32 buffers in one vectorised pass
     config.finalize_model_grads_func = finalize_model_grads
     if optim.overlap_grad_reduce:
         config.no_sync_func = model.no_sync
