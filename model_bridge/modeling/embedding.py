@@ -5,9 +5,13 @@ Shapes: ``T`` tokens of a micro-batch, ``V`` vocab rows (of this TP rank), ``h``
 torch's ``embedding_dense_backward`` took ~0.95 ms per step on an H200 for 22,800 tokens of a
 152,064 x 2,048 bf16 table (~2% of a 2-layer step), most of it not the 623 MB zero-fill of the
 gradient but its partial-segment bookkeeping. Here the backward is: a stable argsort of the ids,
-each run of equal ids found with ``searchsorted``, and one Triton pass in which the first position
-of every run sums that run's gradient rows in fp32 (in token order: deterministic) and writes the
-row once. No atomics, no host sync. CUDA only (or Triton's interpreter in tests);
+each run of equal ids found with ``searchsorted``, and two Triton passes over windows of
+:data:`RUN_WINDOW` sorted positions. The first sums each run's gradient rows in fp32 (in token
+order), writing a run that lies inside one window to its row and keeping the partial sums of a
+run that crosses windows; the second adds those partials in window order and writes the row. So a
+long run (a micro-batch's audio placeholders, 16k+ positions of one id) is summed in parallel, not
+by one program. No atomics, no host sync; the summation order is fixed, so the result is
+deterministic. CUDA only (or Triton's interpreter in tests);
 ``MGRPO_TRITON_EMBED=0`` keeps torch's backward.
 
 :func:`use_sorted_embedding_backward` switches megatron's ``VocabParallelEmbedding`` to it (the
@@ -26,29 +30,69 @@ from ._triton import import_triton, triton_runs_on
 __all__ = ["sorted_embedding", "use_sorted_embedding_backward"]
 
 
+RUN_WINDOW = 64
+"""Sorted positions one program sums: a run of equal ids longer than this (the audio placeholder of
+a micro-batch full of recordings, its padding) is summed by several programs in parallel, in
+window-sized partial sums that a second pass adds in order."""
+
+
 @functools.lru_cache(maxsize=None)
 def _triton_embed_bwd_kernel():
-    """``out[sid[i]] = sum_{j in [i, end[i])} g[order[j]]`` for every run start ``i``; None without Triton."""
+    """``(windows, join)``: the two passes of :func:`_sorted_grad`; None without Triton."""
     if (mods := import_triton("MGRPO_TRITON_EMBED")) is None:
         return None
     triton, tl = mods
 
     @triton.jit
-    def embed_bwd(g_ptr, order_ptr, sid_ptr, end_ptr, out_ptr, H, stride_g, stride_o, BLOCK_H: tl.constexpr):
-        i = tl.program_id(0)
+    def windows(g_ptr, order_ptr, sid_ptr, start_ptr, end_ptr, out_ptr, head_ptr, tail_ptr, T, H, stride_g,
+                stride_o, C: tl.constexpr, BLOCK_H: tl.constexpr):
+        # window k = sorted positions [k C, k C + C): a run wholly inside is written to its row; the
+        # part of a run that entered from the left is the window's head partial, the part of a run
+        # that starts inside and leaves on the right its tail partial (fp32, summed in token order)
+        k = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        cm = cols < H  # a scalar condition joins it through tl.where (the interpreter's & does not broadcast it)
+        lo = k * C
+        hi = tl.minimum(lo + C, T)
+        cur = tl.load(sid_ptr + lo)
+        start = tl.load(start_ptr + lo)
+        acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for j in range(lo, hi):
+            t = tl.load(sid_ptr + j)
+            flush = t != cur
+            tl.store(out_ptr + cur.to(tl.int64) * stride_o + cols, acc.to(out_ptr.dtype.element_ty),
+                     mask=tl.where(flush & (start >= lo), cm, False))
+            tl.store(head_ptr + k.to(tl.int64) * H + cols, acc, mask=tl.where(flush & (start < lo), cm, False))
+            acc = tl.where(flush, 0.0, acc)
+            start = tl.where(flush, j, start)
+            cur = t
+            row = tl.load(order_ptr + j).to(tl.int64)
+            acc += tl.load(g_ptr + row * stride_g + cols, mask=cm, other=0.0).to(tl.float32)
+        closed = tl.load(end_ptr + hi - 1) <= hi
+        tl.store(out_ptr + cur.to(tl.int64) * stride_o + cols, acc.to(out_ptr.dtype.element_ty),
+                 mask=tl.where(closed & (start >= lo), cm, False))
+        tl.store(head_ptr + k.to(tl.int64) * H + cols, acc, mask=tl.where(start < lo, cm, False))
+        tl.store(tail_ptr + k.to(tl.int64) * H + cols, acc, mask=tl.where((closed == 0) & (start >= lo), cm, False))
+
+    @triton.jit
+    def join(sid_ptr, start_ptr, end_ptr, out_ptr, head_ptr, tail_ptr, T, H, stride_o, C: tl.constexpr,
+             BLOCK_H: tl.constexpr):
+        # a run that leaves window k on the right: its tail partial plus the heads of the windows
+        # it covers, in order, written to its row
+        k = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         cm = cols < H
-        tok = tl.load(sid_ptr + i)
-        prev = tl.load(sid_ptr + tl.maximum(i - 1, 0))
-        if (i == 0) | (prev != tok):  # the first position of a run of equal ids owns the row
-            end = tl.load(end_ptr + i)
-            acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-            for j in range(i, end):
-                row = tl.load(order_ptr + j).to(tl.int64)
-                acc += tl.load(g_ptr + row * stride_g + cols, mask=cm, other=0.0).to(tl.float32)
-            tl.store(out_ptr + tok.to(tl.int64) * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=cm)
+        last = tl.minimum(k * C + C, T) - 1
+        end = tl.load(end_ptr + last)
+        has_tail = (tl.load(start_ptr + last) >= k * C) & (end > last + 1)
+        acc = tl.load(tail_ptr + k.to(tl.int64) * H + cols, mask=tl.where(has_tail, cm, False), other=0.0)
+        more = tl.where(has_tail, (end + C - 1) // C - (k + 1), 0)
+        for m in range(0, more):
+            acc += tl.load(head_ptr + (k + 1 + m).to(tl.int64) * H + cols, mask=cm, other=0.0)
+        tok = tl.load(sid_ptr + last).to(tl.int64)
+        tl.store(out_ptr + tok * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=tl.where(has_tail, cm, False))
 
-    return embed_bwd
+    return windows, join
 
 
 def _sorted_grad(ids_T: torch.Tensor, grad_Th: torch.Tensor, V: int) -> torch.Tensor:
@@ -61,10 +105,18 @@ def _sorted_grad(ids_T: torch.Tensor, grad_Th: torch.Tensor, V: int) -> torch.Te
     if T:
         order_T = torch.argsort(ids_T, stable=True)  # equal ids keep token order: a fixed summation order
         sid_T = ids_T.index_select(0, order_T)
-        end_T = torch.searchsorted(sid_T, sid_T, right=True)  # one past each run's last position
+        start_T = torch.searchsorted(sid_T, sid_T).to(torch.int32)  # each run's first position
+        end_T = torch.searchsorted(sid_T, sid_T, right=True).to(torch.int32)  # one past its last
+        windows = triton.cdiv(T, RUN_WINDOW)
+        head_WH = torch.empty(windows, H, dtype=torch.float32, device=grad_Th.device)
+        tail_WH = torch.empty_like(head_WH)
         block = min(1024, triton.next_power_of_2(H))
-        _triton_embed_bwd_kernel()[(T, triton.cdiv(H, block))](
-            grad_Th, order_T, sid_T, end_T, out_Vh, H, grad_Th.stride(0), out_Vh.stride(0), BLOCK_H=block, num_warps=4)
+        grid = (windows, triton.cdiv(H, block))
+        k_windows, k_join = _triton_embed_bwd_kernel()
+        k_windows[grid](grad_Th, order_T, sid_T, start_T, end_T, out_Vh, head_WH, tail_WH, T, H, grad_Th.stride(0),
+                        out_Vh.stride(0), C=RUN_WINDOW, BLOCK_H=block, num_warps=4)
+        k_join[grid](sid_T, start_T, end_T, out_Vh, head_WH, tail_WH, T, H, out_Vh.stride(0), C=RUN_WINDOW,
+                     BLOCK_H=block, num_warps=4)
     return out_Vh
 
 
