@@ -7,7 +7,7 @@ when CUDA is absent, so TP + sequence parallel, EP (alltoall dispatcher), expert
 with the distributed optimizer and ``dist_checkpointing`` run on gloo with fp32 results equal to
 a single-rank run. On a CUDA machine it changes nothing CUDA-related.
 
-Two fixes are not about CUDA but about a machine without Transformer Engine and Apex (the GPU
+Three fixes are not about CUDA but about a machine without Transformer Engine and Apex (the GPU
 machine has neither); ``apply_compat_fixes()`` installs them on any machine, and
 ``apply_cpu_patches()`` calls it.
 
@@ -312,7 +312,55 @@ def _fix_torch_norm_sequence_parallel() -> bool:
     return True
 
 
-_COMPAT_FIXES = (_fix_te_general_gemm, _fix_torch_norm_sequence_parallel)
+def _l2_norm_without_sync(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """amp_C.multi_tensor_l2norm's contract (``(norm [1] fp32, None)``) in two multi-tensor
+    kernels and no host read: megatron's fallback reads every tensor's norm to the host (one
+    device sync per parameter, 100 per step of a 4-layer model)."""
+    tensors = [t for group in tensor_lists for t in group]
+    if per_tensor or not tensors:
+        from megatron.core.utils import local_multi_tensor_l2_norm
+
+        return local_multi_tensor_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args)
+    norms = torch._foreach_norm(tensors)
+    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms])).reshape(1), None
+
+
+def _scale_in_one_pass(chunk_size, noop_flag, tensor_lists, scale):
+    """amp_C.multi_tensor_scale's contract, ``dst = src * scale`` in ``dst``'s dtype, in one pass:
+    megatron's fallback ``dst.copy_(src * scale)`` writes and reads an fp32 temporary (the
+    optimizer's fp32 -> bf16 weight copy runs through it every step)."""
+    src, dst = tensor_lists
+    if all(s is d for s, d in zip(src, dst)):
+        torch._foreach_mul_(list(dst), scale)
+    elif scale == 1.0:
+        torch._foreach_copy_(list(dst), list(src))
+    else:
+        for s, d in zip(src, dst):
+            torch.mul(s, scale, out=d)
+
+
+@_once("local_multi_tensor_ops")
+def _fix_local_multi_tensor_ops() -> bool:
+    """Without TE and Apex megatron's optimizer and grad clipping use Python stand-ins for Apex's
+    multi-tensor kernels; swap in :func:`_l2_norm_without_sync` and :func:`_scale_in_one_pass`
+    (same results; the norm's reduction order differs in the last bits)."""
+    try:
+        from megatron.core import utils
+        from megatron.core.optimizer import clip_grads, optimizer
+    except ImportError:
+        return False
+    applied = False
+    if getattr(clip_grads, "l2_norm_impl", None) is getattr(utils, "local_multi_tensor_l2_norm", object()):
+        clip_grads.l2_norm_impl = _l2_norm_without_sync
+        applied = True
+    for mod in (clip_grads, optimizer):
+        if getattr(mod, "multi_tensor_scale_impl", None) is getattr(utils, "local_multi_tensor_scale", object()):
+            mod.multi_tensor_scale_impl = _scale_in_one_pass
+            applied = True
+    return applied
+
+
+_COMPAT_FIXES = (_fix_te_general_gemm, _fix_torch_norm_sequence_parallel, _fix_local_multi_tensor_ops)
 _CPU_PATCHES = (
     _patch_current_device,
     _patch_synchronize,

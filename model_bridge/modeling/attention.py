@@ -27,6 +27,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .thd import host_offsets, ints_to_device
+
 __all__ = ["PackedCoreAttention", "packed_attention", "dense_attention", "packed_segments", "flash_refusal",
            "flash_refusal_for", "FLASH_MAX_HEAD_DIM"]
 
@@ -118,7 +120,7 @@ def _varlen(q, k, v, cu: list[int], max_len: int, causal: bool, scale: float):
     """One flash varlen call over contiguous segments ``cu`` (q/k/v [t, n, d] on CUDA)."""
     from torch.nn.attention.varlen import varlen_attn
 
-    cu_t = torch.tensor(cu, dtype=torch.int32, device=q.device)
+    cu_t = ints_to_device(cu, q.device)  # pinned, non-blocking: torch.tensor(..., device=cuda) syncs
     return varlen_attn(q, k, v, cu_t, cu_t, max_len, max_len, **varlen_kwargs(q, k, causal, scale))
 
 
@@ -272,11 +274,15 @@ class PackedCoreAttention(_megatron_module()):
             if query.dim() == 4:  # [T, 1, n, d] if the caller did not squeeze the batch dim
                 query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
             cu_q, cu_kv = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv
-            if cu_kv is not None and cu_kv is not cu_q and not torch.equal(torch.as_tensor(cu_q).cpu(),
-                                                                              torch.as_tensor(cu_kv).cpu()):
+            cu_padded = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
+            host = host_offsets(packed_seq_params)  # the packer's host copy: planning reads no device tensor
+            if host is not None:
+                cu_q, cu_padded = host
+            elif cu_kv is not None and cu_kv is not cu_q and not torch.equal(torch.as_tensor(cu_q).cpu(),
+                                                                                torch.as_tensor(cu_kv).cpu()):
                 raise NotImplementedError("PackedCoreAttention needs cu_seqlens_q == cu_seqlens_kv (self-attention)")
             out = packed_attention(query, key, value, cu_q, causal=causal, scale=self.softmax_scale,
-                                   cu_seqlens_padded=getattr(packed_seq_params, "cu_seqlens_q_padded", None),
+                                   cu_seqlens_padded=cu_padded,
                                    max_seqlen=getattr(packed_seq_params, "max_seqlen_q", None))
             return out.reshape(out.shape[0], -1)
         out = dense_attention(query, key, value, causal=causal, scale=self.softmax_scale,

@@ -381,5 +381,46 @@ def test_init_parallel_on_cuda_uses_nccl_without_cpu_patches():
     out = run_ranks(_cuda_smoke, 1, timeout=240)[0]
     assert out["backend"] == "nccl"
     assert not out["cuda_device_is_patched"]
-    assert set(out["patches"]) <= {"moe_utils.te_general_gemm", "torch_norm.sequence_parallel"}
+    assert set(out["patches"]) <= {"moe_utils.te_general_gemm", "torch_norm.sequence_parallel", "local_multi_tensor_ops"}
     assert 4.0 < out["loss"] < 6.0
+
+
+def test_multi_tensor_stand_ins_match_megatrons_without_host_reads():
+    """The grad norm and the scaled copy the optimizer runs without TE/Apex: megatron's results
+    (the norm to fp32 rounding, the copy bit-identical), and the norm reads nothing to the host."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+
+    from megatron.core.utils import local_multi_tensor_l2_norm, local_multi_tensor_scale
+    from model_bridge.mcore_cpu import _l2_norm_without_sync, _scale_in_one_pass
+
+    class HostReads(TorchFunctionMode):
+        n = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in ("item", "tolist", "__float__", "__int__", "__bool__"):
+                HostReads.n += 1
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(n, generator=g) * s for n, s in ((7, 1.0), (1000, 1e-3), (33, 50.0))]
+    with HostReads():
+        ours, _ = _l2_norm_without_sync(2048 * 32, None, [grads], False)
+    assert HostReads.n == 0
+    want = torch.cat(grads).double().norm()
+    if torch.cuda.is_available():
+        theirs, _ = local_multi_tensor_l2_norm(2048 * 32, None, [[x.cuda() for x in grads]], False)
+        assert abs(float(theirs) - float(want)) / float(want) < 1e-6
+    assert ours.shape == (1,) and ours.dtype == torch.float32
+    assert abs(float(ours) - float(want)) / float(want) < 1e-6
+
+    src = [torch.randn(5, generator=g), torch.randn(300, generator=g)]
+    for scale in (1.0, 0.37):
+        a = [torch.empty(x.shape, dtype=torch.bfloat16) for x in src]
+        b = [torch.empty(x.shape, dtype=torch.bfloat16) for x in src]
+        _scale_in_one_pass(0, None, [src, a], scale)
+        local_multi_tensor_scale(0, None, [src, b], scale)
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    inplace = [x.clone() for x in src]
+    _scale_in_one_pass(0, None, [inplace, inplace], 0.5)
+    assert all(torch.equal(x, y * 0.5) for x, y in zip(inplace, src))

@@ -128,6 +128,21 @@ def test_core_attention_module_thd_and_sbhd(causal):
     assert torch.equal(out[-1], torch.zeros_like(out[-1]))
 
 
+def test_core_attention_plans_from_the_packers_host_offsets():
+    """With ``thd_params``' host copy attached the module never reads the offsets tensor (a device
+    read is a host sync per layer): here that tensor is a meta tensor, which cannot be read."""
+    from model_bridge.modeling.thd import attach_host_offsets, thd_params
+
+    mod = _module(True)
+    q, k, v = _qkv(12, 4, 2, 8, seed=5)
+    host = [0, 3, 9, 11]
+    want = mod(q, k, v, None, packed_seq_params=thd_params(host, "cpu", 6))
+    psp = thd_params(host, "cpu", 6)
+    psp.cu_seqlens_q = psp.cu_seqlens_kv = torch.empty(4, dtype=torch.int32, device="meta")
+    attach_host_offsets(psp, host)
+    assert torch.equal(mod(q, k, v, None, packed_seq_params=psp), want)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("causal", [True, False])
 def test_varlen_cuda_matches_sdpa(causal):
