@@ -82,6 +82,30 @@ def test_single_process_matches_unfused(dtype):
     assert b[0][cu[:-1]].eq(0).all() and b[0][~mask].eq(0).all()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_bf16_weight_gradient_accumulated_by_the_gemm_on_gpu(monkeypatch):
+    """On CUDA the head's weight gradient is added into its float32 accumulator by the GEMM itself
+    (``torch.addmm(..., out_dtype=float32)``), chunk after chunk: against an fp64 reference it is at
+    least as close as a bf16 product per chunk added to the accumulator (the path elsewhere)."""
+    from megatron_grpo.engine import fused_logprobs as fl
+
+    assert fl._accumulating_mm(torch.zeros(1, device="cuda"))
+    g = torch.Generator().manual_seed(2)
+    T, H, V = 4096, 256, 1000
+    h = torch.randn(T, H, generator=g)
+    W = torch.randn(V, H, generator=g) * 0.05
+    targets = torch.randint(0, V, (T,), generator=g)
+    g_lp = torch.randn(T, generator=g)
+    ref = _both(h.double(), W.double(), targets, V, None, 512, False, g_lp.double(), None)[1][3]
+    dev = (h.bfloat16().cuda(), W.bfloat16().cuda(), targets.cuda(), V, None, 512, False, g_lp.cuda(), None)
+    gemm = _both(*dev)[1][3]
+    monkeypatch.setattr(fl, "_accumulating_mm", lambda acc: False)
+    per_chunk = _both(*dev)[1][3]
+    err = [float((x.double().cpu() - ref).abs().max()) for x in (gemm, per_chunk)]
+    assert gemm.dtype == torch.bfloat16 and err[0] <= err[1], err
+
+
 def test_bf16_close_to_unfused_and_checks():
     """bf16 (the GPU dtype): same values up to bf16 GEMM rounding; dW comes back in bf16."""
     g = torch.Generator().manual_seed(1)
