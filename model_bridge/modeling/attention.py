@@ -124,6 +124,31 @@ def _varlen(q, k, v, cu: list[int], max_len: int, causal: bool, scale: float):
     return varlen_attn(q, k, v, cu_t, cu_t, max_len, max_len, **varlen_kwargs(q, k, causal, scale))
 
 
+def _varlen_host_plan(q, k, v, psp, host_cu, causal: bool, scale: float):
+    """One flash varlen call planned from the packer's host offsets (``thd.host_offsets``), with
+    the offsets the kernel reads taken from ``psp``'s device tensor when it holds them: no host read
+    (a sync per layer call). The host copy is a plan, as for the torch backend's attention: a CUDA
+    graph's stack attaches one segment over its whole bucket while the device buffer holds the
+    replay's real offsets. None: the host offsets do not rise from 0 (the caller plans from the
+    device tensor)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    cu = [int(x) for x in host_cu]
+    lens = [b - a for a, b in zip(cu, cu[1:])]
+    T = q.shape[0]
+    if not cu or cu[0] != 0 or any(n < 0 for n in lens) or cu[-1] > T:
+        return None
+    dev = psp.cu_seqlens_q
+    if not (torch.is_tensor(dev) and dev.device == q.device and dev.dtype == torch.int32 and dev.dim() == 1
+            and dev.numel() == len(cu)):
+        dev = ints_to_device(cu, q.device)
+    given = getattr(psp, "max_seqlen_q", None)
+    max_len = int(given) if given is not None else max(lens, default=0)
+    n = cu[-1]
+    out = varlen_attn(q[:n], k[:n], v[:n], dev, dev, max_len, max_len, **varlen_kwargs(q, k, causal, scale))
+    return out if n == T else torch.cat([out, out.new_zeros(T - n, *out.shape[1:])])
+
+
 def varlen_kwargs(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> dict:
     """Keyword arguments of this torch's ``varlen_attn`` for causal or full attention with GQA
     (torch 2.11 has ``window_size`` and no ``is_causal``: causal is the window (-1, 0))."""
@@ -274,15 +299,16 @@ class PackedCoreAttention(_megatron_module()):
             if query.dim() == 4:  # [T, 1, n, d] if the caller did not squeeze the batch dim
                 query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
             cu_q, cu_kv = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv
-            cu_padded = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
-            host = host_offsets(packed_seq_params)  # the packer's host copy: planning reads no device tensor
-            if host is not None:
-                cu_q, cu_padded = host
-            elif cu_kv is not None and cu_kv is not cu_q and not torch.equal(torch.as_tensor(cu_q).cpu(),
-                                                                                torch.as_tensor(cu_kv).cpu()):
+            host = host_offsets(packed_seq_params)
+            if host is not None and host[1] is None and query.is_cuda and flash_refusal(query, key, value) is None:
+                out = _varlen_host_plan(query, key, value, packed_seq_params, host[0], causal, self.softmax_scale)
+                if out is not None:
+                    return out.reshape(out.shape[0], -1)
+            if cu_kv is not None and cu_kv is not cu_q and not torch.equal(torch.as_tensor(cu_q).cpu(),
+                                                                           torch.as_tensor(cu_kv).cpu()):
                 raise NotImplementedError("PackedCoreAttention needs cu_seqlens_q == cu_seqlens_kv (self-attention)")
             out = packed_attention(query, key, value, cu_q, causal=causal, scale=self.softmax_scale,
-                                   cu_seqlens_padded=cu_padded,
+                                   cu_seqlens_padded=getattr(packed_seq_params, "cu_seqlens_q_padded", None),
                                    max_seqlen=getattr(packed_seq_params, "max_seqlen_q", None))
             return out.reshape(out.shape[0], -1)
         out = dense_attention(query, key, value, causal=causal, scale=self.softmax_scale,

@@ -128,19 +128,30 @@ def test_core_attention_module_thd_and_sbhd(causal):
     assert torch.equal(out[-1], torch.zeros_like(out[-1]))
 
 
-def test_core_attention_plans_from_the_packers_host_offsets():
-    """With ``thd_params``' host copy attached the module never reads the offsets tensor (a device
-    read is a host sync per layer): here that tensor is a meta tensor, which cannot be read."""
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("plan", ["exact", "one_segment"])
+def test_core_attention_plans_from_the_packers_host_offsets_without_a_sync(plan):
+    """With ``thd_params``' host copy attached the module plans on the host and the kernel reads
+    the device offsets: no host sync (a read per layer call otherwise). ``one_segment``: the host
+    copy only plans (one segment over the buffer, as a CUDA graph's stack attaches it) while the
+    device tensor holds the real offsets; the result is still the real segments' attention."""
     from model_bridge.modeling.thd import attach_host_offsets, thd_params
 
     mod = _module(True)
-    q, k, v = _qkv(12, 4, 2, 8, seed=5)
-    host = [0, 3, 9, 11]
-    want = mod(q, k, v, None, packed_seq_params=thd_params(host, "cpu", 6))
-    psp = thd_params(host, "cpu", 6)
-    psp.cu_seqlens_q = psp.cu_seqlens_kv = torch.empty(4, dtype=torch.int32, device="meta")
-    attach_host_offsets(psp, host)
-    assert torch.equal(mod(q, k, v, None, packed_seq_params=psp), want)
+    q, k, v = (x.cuda().bfloat16() for x in _qkv(12, 4, 2, 8, seed=5))
+    host = [0, 3, 9, 12]
+    want = mod(q, k, v, None, packed_seq_params=thd_params(host, "cuda", 6))
+    psp = thd_params(host, "cuda", 12 if plan == "one_segment" else 6)
+    if plan == "one_segment":
+        attach_host_offsets(psp, [0, 12, 12, 12])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = mod(q, k, v, None, packed_seq_params=psp)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu
