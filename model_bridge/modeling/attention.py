@@ -5,7 +5,9 @@ Transformer Engine (which handles them) is absent on our machines. :class:`Packe
 is a ``core_attention`` submodule with the same constructor and forward signature:
 
 * packed THD (``query [T, np, d]``, ``key/value [T, ng, d]`` and ``cu_seqlens``): on CUDA in
-  bf16/fp16 one ``torch.nn.attention.varlen.varlen_attn`` call (flash varlen, native GQA); otherwise
+  bf16/fp16 one ``torch.nn.attention.varlen.varlen_attn`` call (flash varlen, native GQA), planned
+  once per ``PackedSeqParams`` (:func:`varlen_plan`, cached on it: from the packer's host offsets,
+  ``thd.host_offsets``, so no layer reads ``cu_seqlens`` back from the device); otherwise
   (CPU, fp32, or a shape the flash kernel refuses: :func:`flash_refusal`, e.g. a head size that is
   not a multiple of 8) ``scaled_dot_product_attention`` per segment, with one logged line per reason;
 * plain SBHD (``[s, b, n, d]``): ``scaled_dot_product_attention`` on the batch.
@@ -22,15 +24,16 @@ import functools
 import inspect
 import logging
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
-from .thd import host_offsets, ints_to_device
+from .thd import host_offsets, ints_to_device, to_device_async
 
 __all__ = ["PackedCoreAttention", "packed_attention", "dense_attention", "packed_segments", "flash_refusal",
-           "flash_refusal_for", "FLASH_MAX_HEAD_DIM"]
+           "flash_refusal_for", "FLASH_MAX_HEAD_DIM", "VarlenPlan", "varlen_plan", "varlen_run"]
 
 _FLASH_DTYPES = (torch.bfloat16, torch.float16)
 FLASH_MAX_HEAD_DIM = 256
@@ -124,31 +127,6 @@ def _varlen(q, k, v, cu: list[int], max_len: int, causal: bool, scale: float):
     return varlen_attn(q, k, v, cu_t, cu_t, max_len, max_len, **varlen_kwargs(q, k, causal, scale))
 
 
-def _varlen_host_plan(q, k, v, psp, host_cu, causal: bool, scale: float):
-    """One flash varlen call planned from the packer's host offsets (``thd.host_offsets``), with
-    the offsets the kernel reads taken from ``psp``'s device tensor when it holds them: no host read
-    (a sync per layer call). The host copy is a plan, as for the torch backend's attention: a CUDA
-    graph's stack attaches one segment over its whole bucket while the device buffer holds the
-    replay's real offsets. None: the host offsets do not rise from 0 (the caller plans from the
-    device tensor)."""
-    from torch.nn.attention.varlen import varlen_attn
-
-    cu = [int(x) for x in host_cu]
-    lens = [b - a for a, b in zip(cu, cu[1:])]
-    T = q.shape[0]
-    if not cu or cu[0] != 0 or any(n < 0 for n in lens) or cu[-1] > T:
-        return None
-    dev = psp.cu_seqlens_q
-    if not (torch.is_tensor(dev) and dev.device == q.device and dev.dtype == torch.int32 and dev.dim() == 1
-            and dev.numel() == len(cu)):
-        dev = ints_to_device(cu, q.device)
-    given = getattr(psp, "max_seqlen_q", None)
-    max_len = int(given) if given is not None else max(lens, default=0)
-    n = cu[-1]
-    out = varlen_attn(q[:n], k[:n], v[:n], dev, dev, max_len, max_len, **varlen_kwargs(q, k, causal, scale))
-    return out if n == T else torch.cat([out, out.new_zeros(T - n, *out.shape[1:])])
-
-
 def varlen_kwargs(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> dict:
     """Keyword arguments of this torch's ``varlen_attn`` for causal or full attention with GQA
     (torch 2.11 has ``window_size`` and no ``is_causal``: causal is the window (-1, 0))."""
@@ -227,6 +205,85 @@ def packed_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return torch.cat(outs, dim=0) if outs else query.new_zeros(T, nq, value.shape[-1])
 
 
+@dataclass
+class VarlenPlan:
+    """What ``varlen_attn`` needs for one packed micro-batch, computed once: from the packer's host
+    offsets (``thd.host_offsets``) without a host read, else with one read of ``cu_seqlens``."""
+
+    T: int
+    device: torch.device
+    cu: torch.Tensor
+    """int32 ``[S+1]`` offsets of the (compacted) samples, on ``device``."""
+    max_len: int
+    n_real: int
+    """Tokens inside samples."""
+    idx: Optional[torch.Tensor]
+    """Rows of the samples in the buffer when they are not contiguous from 0 (gaps), else None."""
+    src: tuple
+    """Identity of the cu_seqlens tensors the plan was made from (stale-cache check)."""
+
+
+def varlen_plan(psp, T: int, device: torch.device) -> VarlenPlan:
+    """The :class:`VarlenPlan` of ``psp`` (a ``PackedSeqParams``) for a T-token buffer, cached on it, so
+    every layer of a micro-batch reuses it. The host copy only plans (lengths, compaction): a CUDA
+    graph's stack attaches one segment over its bucket while ``cu_seqlens_q`` holds the replay's real
+    offsets, which the kernel reads."""
+    src = (id(psp.cu_seqlens_q), id(psp.cu_seqlens_q_padded), id(psp.cu_seqlens_kv))
+    plan = getattr(psp, "_mgrpo_varlen_plan", None)
+    if plan is not None and plan.T == T and plan.device == device and plan.src == src:
+        return plan
+    cu_q, cu_kv = psp.cu_seqlens_q, psp.cu_seqlens_kv
+    host = host_offsets(psp)  # the packer's host copy (thd.py): then no device read here
+    if host is None and cu_kv is not None and cu_kv is not cu_q and not torch.equal(
+            torch.as_tensor(cu_q).cpu(), torch.as_tensor(cu_kv).cpu()):
+        raise NotImplementedError("PackedCoreAttention needs cu_seqlens_q == cu_seqlens_kv (self-attention)")
+    segs = (packed_segments(*host) if host is not None
+            else packed_segments(cu_q, getattr(psp, "cu_seqlens_q_padded", None)))
+    if segs and segs[-1][0] + segs[-1][1] > T:
+        raise ValueError(f"packed samples end at {segs[-1][0] + segs[-1][1]} but the buffer holds {T} tokens")
+    lens = [n for _, n in segs]
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    contiguous = all(s == e for (s, _), e in zip(segs, cu[:-1]))
+    given = getattr(psp, "max_seqlen_q", None)
+    max_len = int(given) if given is not None else max(lens, default=0)
+    idx = None
+    if not contiguous:
+        idx = to_device_async(torch.cat([torch.arange(s, s + n) for s, n in segs]), device)
+    if (host is not None and tuple(cu) == host[0] and cu_q.dtype == torch.int32 and cu_q.device == device
+            and cu_q.dim() == 1):
+        cu_dev = cu_q  # the packer's (unpadded) device offsets are these: no second copy to the device
+    else:
+        cu_dev = ints_to_device(cu, device)
+    plan = VarlenPlan(T=T, device=device, cu=cu_dev, max_len=max_len, n_real=cu[-1], idx=idx, src=src)
+    try:
+        psp._mgrpo_varlen_plan = plan
+    except (AttributeError, TypeError):  # a frozen/slotted PackedSeqParams: recompute next time
+        pass
+    return plan
+
+
+def varlen_run(q, k, v, plan: VarlenPlan, causal: bool, scale: float) -> torch.Tensor:
+    """One flash ``varlen_attn`` call over ``plan``'s samples (q ``[T, np, d]``, k/v ``[T, ng, d]`` on
+    CUDA); rows outside the samples are zero."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    kw = varlen_kwargs(q, k, causal, scale)
+    T = q.shape[0]
+    if plan.idx is None:
+        n = plan.n_real
+        if n == T:  # no trailing padding: no slices (each one's backward zero-fills and copies its input's size)
+            return varlen_attn(q, k, v, plan.cu, plan.cu, plan.max_len, plan.max_len, **kw)
+        out = varlen_attn(q[:n], k[:n], v[:n], plan.cu, plan.cu, plan.max_len, plan.max_len, **kw)
+        if n < T:
+            out = torch.cat([out, out.new_zeros(T - n, *out.shape[1:])])
+        return out
+    out_c = varlen_attn(q[plan.idx], k[plan.idx], v[plan.idx], plan.cu, plan.cu, plan.max_len, plan.max_len, **kw)
+    return q.new_zeros(T, q.shape[1], v.shape[-1]).index_copy(0, plan.idx, out_c)
+
+
+
 def dense_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, causal: bool = True,
                     scale: Optional[float] = None, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """SBHD attention: query [s, b, np, d], key/value [s, b, ng, d] -> [s, b, np, d].
@@ -298,12 +355,11 @@ class PackedCoreAttention(_megatron_module()):
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             if query.dim() == 4:  # [T, 1, n, d] if the caller did not squeeze the batch dim
                 query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
+            if flash_refusal(query, key, value) is None:  # one plan per micro-batch, shared by its layers
+                plan = varlen_plan(packed_seq_params, query.shape[0], query.device)
+                out = varlen_run(query, key, value, plan, causal, self.softmax_scale)
+                return out.reshape(out.shape[0], -1)
             cu_q, cu_kv = packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv
-            host = host_offsets(packed_seq_params)
-            if host is not None and host[1] is None and query.is_cuda and flash_refusal(query, key, value) is None:
-                out = _varlen_host_plan(query, key, value, packed_seq_params, host[0], causal, self.softmax_scale)
-                if out is not None:
-                    return out.reshape(out.shape[0], -1)
             if cu_kv is not None and cu_kv is not cu_q and not torch.equal(torch.as_tensor(cu_q).cpu(),
                                                                            torch.as_tensor(cu_kv).cpu()):
                 raise NotImplementedError("PackedCoreAttention needs cu_seqlens_q == cu_seqlens_kv (self-attention)")

@@ -2,13 +2,9 @@
 
 Registered as ``"torch"`` in :mod:`model_bridge.modeling.specs`; ``backend="auto"`` picks it on
 CUDA when Transformer Engine does not import (te > torch (CUDA) > local (CPU)). It is megatron's
-local spec (same modules, same parameter names outside the experts) with four replacements:
+local spec (same modules, same parameter names outside the experts, the same
+:class:`~model_bridge.modeling.attention.PackedCoreAttention`) with three replacements:
 
-* core attention: :class:`TorchCoreAttention`, :class:`~model_bridge.modeling.attention.PackedCoreAttention`
-  whose packed (THD) path on CUDA in bf16/fp16 calls ``torch.nn.attention.varlen.varlen_attn`` with a
-  *plan* computed once per micro-batch (:func:`varlen_plan`: segment offsets on the device, max length,
-  compaction index) and cached on the ``PackedSeqParams`` object, so no layer reads ``cu_seqlens`` back
-  to the host (the plain ``PackedCoreAttention`` does that in every layer);
 * self attention: :class:`TorchSelfAttention`, megatron's ``SelfAttention`` whose packed RoPE skips
   megatron's THD loop (``.tolist()`` plus one ``.item()`` per sample, for q and for k, every layer):
   with per-token rotary angles for all T packed tokens (our MRoPE) and no context parallelism, THD RoPE
@@ -45,7 +41,6 @@ import copy
 import dataclasses
 import functools
 import os
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -56,7 +51,6 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-from .attention import PackedCoreAttention, flash_refusal, note_sdpa_fallback, packed_segments, varlen_kwargs
 from .ep_dispatch import DedupExchange
 from .experts import TorchGroupedMLP, grouped_mm_available, with_offsets
 from .norm import residual_bda
@@ -64,113 +58,9 @@ from .permute import sort_by_expert, topk_indices, unsort_combine
 from .router import ReusingTopKRouter, install_routing_reuse
 from .rope import defer_qk_norms, deferring_qk_norms, fast_rope_scope, grouped_query_wanted, install_fast_rope
 from .specs import _check_config, local_block_spec, register_backend
-from .thd import host_offsets, ints_to_device, to_device_async
 from .tp_identity import install_tp1_identity_skips
 
-__all__ = ["torch_block_spec", "TorchCoreAttention", "TorchSelfAttention", "TorchMoELayer", "VarlenPlan",
-           "varlen_plan", "TorchGroupedMLP"]
-
-_FLASH_DTYPES = (torch.bfloat16, torch.float16)
-
-
-# ------------------------------------------------------------------------------------------------
-# packed attention without host syncs
-# ------------------------------------------------------------------------------------------------
-
-@dataclass
-class VarlenPlan:
-    """What ``varlen_attn`` needs for one packed micro-batch, computed once (one host read)."""
-
-    T: int
-    device: torch.device
-    cu: torch.Tensor
-    """int32 ``[S+1]`` offsets of the (compacted) samples, on ``device``."""
-    max_len: int
-    n_real: int
-    """Tokens inside samples."""
-    idx: Optional[torch.Tensor]
-    """Rows of the samples in the buffer when they are not contiguous from 0 (gaps), else None."""
-    src: tuple
-    """Identity of the cu_seqlens tensors the plan was made from (stale-cache check)."""
-
-
-def varlen_plan(psp, T: int, device: torch.device) -> VarlenPlan:
-    """The :class:`VarlenPlan` of ``psp`` (a ``PackedSeqParams``) for a T-token buffer, cached on it."""
-    src = (id(psp.cu_seqlens_q), id(psp.cu_seqlens_q_padded), id(psp.cu_seqlens_kv))
-    plan = getattr(psp, "_mgrpo_varlen_plan", None)
-    if plan is not None and plan.T == T and plan.device == device and plan.src == src:
-        return plan
-    cu_q, cu_kv = psp.cu_seqlens_q, psp.cu_seqlens_kv
-    host = host_offsets(psp)  # the packer's host copy (thd.py): then no device read here
-    if host is None and cu_kv is not None and cu_kv is not cu_q and not torch.equal(
-            torch.as_tensor(cu_q).cpu(), torch.as_tensor(cu_kv).cpu()):
-        raise NotImplementedError("TorchCoreAttention needs cu_seqlens_q == cu_seqlens_kv (self-attention)")
-    segs = (packed_segments(*host) if host is not None
-            else packed_segments(cu_q, getattr(psp, "cu_seqlens_q_padded", None)))
-    if segs and segs[-1][0] + segs[-1][1] > T:
-        raise ValueError(f"packed samples end at {segs[-1][0] + segs[-1][1]} but the buffer holds {T} tokens")
-    lens = [n for _, n in segs]
-    cu = [0]
-    for n in lens:
-        cu.append(cu[-1] + n)
-    contiguous = all(s == e for (s, _), e in zip(segs, cu[:-1]))
-    given = getattr(psp, "max_seqlen_q", None)
-    max_len = int(given) if given is not None else max(lens, default=0)
-    idx = None
-    if not contiguous:
-        idx = to_device_async(torch.cat([torch.arange(s, s + n) for s, n in segs]), device)
-    if (host is not None and tuple(cu) == host[0] and cu_q.dtype == torch.int32 and cu_q.device == device
-            and cu_q.dim() == 1):
-        cu_dev = cu_q  # the packer's (unpadded) device offsets are these: no second copy to the device
-    else:
-        cu_dev = ints_to_device(cu, device)
-    plan = VarlenPlan(T=T, device=device, cu=cu_dev, max_len=max_len, n_real=cu[-1], idx=idx, src=src)
-    try:
-        psp._mgrpo_varlen_plan = plan
-    except (AttributeError, TypeError):  # a frozen/slotted PackedSeqParams: recompute next time
-        pass
-    return plan
-
-
-def _varlen_run(q, k, v, plan: VarlenPlan, causal: bool, scale: float) -> torch.Tensor:
-    from torch.nn.attention.varlen import varlen_attn
-
-    kw = varlen_kwargs(q, k, causal, scale)
-    T = q.shape[0]
-    if plan.idx is None:
-        n = plan.n_real
-        if n == T:  # no trailing padding: no slices (each one's backward zero-fills and copies its input's size)
-            return varlen_attn(q, k, v, plan.cu, plan.cu, plan.max_len, plan.max_len, **kw)
-        out = varlen_attn(q[:n], k[:n], v[:n], plan.cu, plan.cu, plan.max_len, plan.max_len, **kw)
-        if n < T:
-            out = torch.cat([out, out.new_zeros(T - n, *out.shape[1:])])
-        return out
-    out_c = varlen_attn(q[plan.idx], k[plan.idx], v[plan.idx], plan.cu, plan.cu, plan.max_len, plan.max_len, **kw)
-    return q.new_zeros(T, q.shape[1], v.shape[-1]).index_copy(0, plan.idx, out_c)
-
-
-class TorchCoreAttention(PackedCoreAttention):
-    """``PackedCoreAttention`` whose CUDA bf16/fp16 THD path reuses a per-micro-batch
-    :class:`VarlenPlan` (no host sync per layer). Everything else is the parent's, including the
-    shapes flash refuses (``attention.flash_refusal``), which take the parent's SDPA path."""
-
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None, **unused):
-        if (packed_seq_params is not None and packed_seq_params.qkv_format == "thd" and attention_bias is None
-                and query.is_cuda and query.dtype in _FLASH_DTYPES):
-            why = flash_refusal(query, key, value)
-            if why is not None:  # e.g. head size 10: the parent's per-sample SDPA (one logged line)
-                note_sdpa_fallback(why)
-                return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
-                                       attention_bias=attention_bias, packed_seq_params=packed_seq_params, **unused)
-            if query.dim() == 4:
-                query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
-            plan = varlen_plan(packed_seq_params, query.shape[0], query.device)
-            out = _varlen_run(query, key, value, plan, self._is_causal(attn_mask_type), self.softmax_scale)
-            return out.reshape(out.shape[0], -1)
-        return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
-                               attention_bias=attention_bias, packed_seq_params=packed_seq_params, **unused)
-
+__all__ = ["torch_block_spec", "TorchSelfAttention", "TorchMoELayer", "TorchGroupedMLP"]
 
 # ------------------------------------------------------------------------------------------------
 # THD RoPE without host syncs
@@ -376,7 +266,6 @@ def torch_block_spec(config, vp_stage: Optional[int] = None, pp_rank: Optional[i
         sa = layer.submodules.self_attention
         if sa.module is SelfAttention:
             sa.module = TorchSelfAttention
-        sa.submodules.core_attention = TorchCoreAttention
         layer.submodules.mlp = _torch_moe(layer.submodules.mlp)
         for bda in ("self_attn_bda", "mlp_bda"):  # the residual's gradient joins the norm's backward (norm.py)
             if getattr(layer.submodules, bda) is get_bias_dropout_add:

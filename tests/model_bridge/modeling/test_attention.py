@@ -199,11 +199,9 @@ def test_varlen_backend_refuses_with_the_reason():
 @pytest.mark.parametrize("causal", [True, False])
 def test_odd_head_size_falls_back_to_sdpa_on_cuda(causal, caplog):
     """Head size 10 (an audio tower of d_model 40 with 4 heads): flash refuses it, so the bf16 CUDA
-    path runs SDPA per sample (one logged line), for the plain function and for the torch backend's
-    core attention module, forward and backward, matching the fp64 reference."""
+    path runs SDPA per sample (one logged line), for the plain function and for the core attention
+    module, forward and backward, matching the fp64 reference."""
     from megatron.core.packed_seq_params import PackedSeqParams
-
-    from model_bridge.modeling.torch_backend import TorchCoreAttention
 
     lens = [7, 30, 3]
     T = sum(lens) + 2
@@ -219,7 +217,7 @@ def test_odd_head_size_falls_back_to_sdpa_on_cuda(causal, caplog):
         assert (out[s:s + n].detach().cpu().double() - ref).abs().max().item() < 2e-2
         s += n
     assert torch.equal(out[-2:], torch.zeros_like(out[-2:]))
-    mod = _module(causal, nq=4, nk=4, d=10, cls=TorchCoreAttention)
+    mod = _module(causal, nq=4, nk=4, d=10)
     psp = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu.cuda(), cu_seqlens_kv=cu.cuda(), max_seqlen_q=30,
                           max_seqlen_kv=30)
     out2 = mod(q, k, v, None, packed_seq_params=psp)

@@ -41,7 +41,7 @@ def test_plans_come_from_the_host_copy():
     """The varlen plan and the trailing-padding fix read the host offsets, never the device tensor:
     scribbling over the device tensor after ``thd_params`` changes neither."""
     from model_bridge.modeling.thinker import _normalize_packed
-    from model_bridge.modeling.torch_backend import varlen_plan
+    from model_bridge.modeling.attention import varlen_plan
 
     psp = thd_params([0, 3, 7], "cpu")
     psp.cu_seqlens_q[1] = 6  # not what the packer said; a device read would see it
