@@ -14,12 +14,16 @@ Same arithmetic as ``nn.Conv2d(…, 3, stride=2, padding=1)`` three times, two c
   tensors (a quarter of the front-end's time, measured on an H200).
 
 On an H200 (bf16, 3,850 full chunks, first pass + recomputation + backward) the front-end took
-455 ms as three ``F.conv2d`` and 203 ms this way (docs/performance.md, "Training phase").
+455 ms as three ``F.conv2d`` and 203 ms this way (docs/performance.md, "Training phase"). On CUDA
+each bias and GELU then run fused into one Triton pass (``audio_conv_fused.py``), the first conv's
+straight from the mel image; ``conv1_as_gemm`` stays the path elsewhere (CPU, an input with gradient).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from .audio_conv_fused import bias_gelu, conv1_gelu, fused_conv_available
 
 __all__ = ["conv_front_end", "conv1_as_gemm"]
 
@@ -49,9 +53,15 @@ def conv1_as_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> 
 
 def conv_front_end(x: torch.Tensor, convs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """x [K, 1, M, L] -> GELU(conv3(GELU(conv2(GELU(conv1(x)))))) [K, C, M/8, L/8] (rounded up;
-    channels-last strides). ``convs``: the three (weight, bias) pairs, all in x's dtype."""
+    channels-last strides). ``convs``: the three (weight, bias) pairs, all in x's dtype. On CUDA
+    each bias and GELU run fused into one Triton pass (``audio_conv_fused.py``), the first conv's too."""
     (w1, b1), *rest = convs
-    h = F.gelu(conv1_as_gemm(x, w1, b1))
+    fused = fused_conv_available(x)
+    h = conv1_gelu(x, w1, b1) if fused else F.gelu(conv1_as_gemm(x, w1, b1))
     for w, b in rest:  # a channels-last weight too (4 MB): cuDNN then takes its NHWC kernels as they are
-        h = F.gelu(F.conv2d(h, w.contiguous(memory_format=torch.channels_last), b, stride=2, padding=1))
+        w_cl = w.contiguous(memory_format=torch.channels_last)
+        if fused:
+            h = bias_gelu(F.conv2d(h, w_cl, None, stride=2, padding=1), b)
+        else:
+            h = F.gelu(F.conv2d(h, w_cl, b, stride=2, padding=1))
     return h

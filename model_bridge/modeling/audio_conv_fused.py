@@ -1,0 +1,241 @@
+"""The audio conv front-end's bias + GELU fused into Triton passes (CUDA; ``MGRPO_TRITON_AUDIO_CONV=0``
+turns them off).
+
+Shapes: ``K`` chunks, ``M x L`` a chunk's mel image (bins x frames), ``Ho x Wo`` a conv's output,
+``C`` channels, ``N = K * Ho * Wo`` output positions; every ``[N, C]`` tensor is a channels-last
+``[K, C, Ho, Wo]`` seen flat.
+
+Why: the first conv's output is the front-end's largest tensor (``K x 480 x 64 x 50``: 11.8 GB in
+bf16 for an hour of audio), and the unfused path passes over it four times forward (GEMM out, GELU
+in and out, the next conv in) and five times backward, keeping the pre-activation alive for GELU's
+backward. The first conv has one input channel, so each output is 9 multiply-adds of the mel
+input: :func:`conv1_gelu` computes ``GELU(conv1(x) + b)`` straight from the mel image (one write of
+the output), keeps only the mel image for backward, and its backward recomputes the
+pre-activation while it reduces the weight and bias gradients (one read of the incoming gradient;
+the mel input takes no gradient). For the two 480-channel convs cuDNN runs the conv without bias
+and :func:`bias_gelu` adds the bias and applies GELU in one pass (torch adds a conv's bias in a
+separate broadcast pass, unvectorised); its backward writes the pre-activation's gradient and
+reduces the bias gradient in the same pass.
+
+Arithmetic: fp32 inside (the 9 products of half-precision values are exact in fp32), one rounding
+to the output dtype; gradients of weights and biases are fp32 partial sums per program, summed in
+a fixed order (deterministic). GELU is the exact (erf) one, as ``F.gelu`` and HF's audio tower.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from ._triton import import_triton, triton_runs_on
+
+__all__ = ["fused_conv_available", "conv1_gelu", "bias_gelu"]
+
+_TAPS = 16
+"""The first conv's 3x3 taps padded to 16: ``tl.dot`` needs every dimension >= 16."""
+_BLOCK_P = 128
+"""Output positions per tile."""
+_BLOCK_C = 32
+"""Channels per tile: 480 = 15 x 32, so no lane is masked off at Qwen3-Omni's width."""
+_BLOCK_1D = 4096
+"""Elements per program of the elementwise forward."""
+_PROGRAMS_PER_SM = 4
+"""Backward programs per SM and channel block: each loops over positions and keeps its weight and
+bias partial sums in registers, so the partials stay a few MB however long the audio."""
+
+
+@functools.lru_cache(maxsize=None)
+def _kernels():
+    got = import_triton("MGRPO_TRITON_AUDIO_CONV")
+    if got is None:
+        return None
+    triton, tl = got
+
+    @triton.jit
+    def _gelu_and_slope(z):
+        cdf = 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476))  # 1/sqrt(2)
+        return z * cdf, cdf + z * tl.exp(-0.5 * z * z) * 0.3989422804014327  # 1/sqrt(2*pi)
+
+    @triton.jit
+    def _conv1_pre(x_ptr, w_ptr, b_ptr, p, c, n_pos, C, HO, WO, M, L, sxk, sxm, sxl,
+                   TAPS: tl.constexpr):
+        """(taps [P, TAPS] fp32, conv1 + bias [P, C] fp32) at positions p, channels c."""
+        t = tl.arange(0, TAPS)
+        wo = p % WO
+        ho = (p // WO) % HO
+        k = p // (WO * HO)
+        r = 2 * ho[:, None] - 1 + (t // 3)[None, :]  # mel bin of each tap (padding 1, stride 2)
+        f = 2 * wo[:, None] - 1 + (t % 3)[None, :]   # frame of each tap
+        inside = (p < n_pos)[:, None] & (t < 9)[None, :] & (r >= 0) & (r < M) & (f >= 0) & (f < L)
+        off = k[:, None] * sxk + tl.maximum(r, 0) * sxm + tl.maximum(f, 0) * sxl
+        taps = tl.load(x_ptr + off, mask=inside, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + t[:, None] * C + c[None, :], mask=(c < C)[None, :], other=0.0)  # [TAPS, C] fp32
+        bias = tl.load(b_ptr + c, mask=c < C, other=0.0).to(tl.float32)
+        return taps, tl.dot(taps, w, input_precision="ieee") + bias[None, :]
+
+    # a kernel finds the helpers it calls among its module's globals (closures are not looked up)
+    globals().update(_gelu_and_slope=_gelu_and_slope, _conv1_pre=_conv1_pre)
+
+    @triton.jit
+    def conv1_gelu_fwd(x_ptr, w_ptr, b_ptr, out_ptr, n_pos, C, HO, WO, M, L, sxk, sxm, sxl,
+                       TAPS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+        p = tl.program_id(0).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        _, pre = _conv1_pre(x_ptr, w_ptr, b_ptr, p, c, n_pos, C, HO, WO, M, L, sxk, sxm, sxl, TAPS)
+        out, _ = _gelu_and_slope(pre)
+        keep = (p < n_pos)[:, None] & (c < C)[None, :]
+        tl.store(out_ptr + p[:, None] * C + c[None, :], out.to(out_ptr.dtype.element_ty), mask=keep)
+
+    @triton.jit
+    def conv1_gelu_bwd(x_ptr, w_ptr, b_ptr, g_ptr, dw_ptr, db_ptr, n_pos, C, HO, WO, M, L, sxk, sxm, sxl,
+                       TAPS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+        pid, n_prog = tl.program_id(0), tl.num_programs(0)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        dw = tl.zeros([TAPS, BLOCK_C], tl.float32)
+        db = tl.zeros([BLOCK_C], tl.float32)
+        for start in range(pid * BLOCK_P, n_pos, n_prog * BLOCK_P):
+            p = tl.arange(0, BLOCK_P).to(tl.int64) + start
+            taps, pre = _conv1_pre(x_ptr, w_ptr, b_ptr, p, c, n_pos, C, HO, WO, M, L, sxk, sxm, sxl, TAPS)
+            keep = (p < n_pos)[:, None] & (c < C)[None, :]
+            g = tl.load(g_ptr + p[:, None] * C + c[None, :], mask=keep, other=0.0).to(tl.float32)
+            _, slope = _gelu_and_slope(pre)
+            g_pre = g * slope
+            db += tl.sum(g_pre, axis=0)
+            dw += tl.dot(tl.trans(taps), g_pre, input_precision="ieee")
+        t = tl.arange(0, TAPS)
+        tl.store(dw_ptr + pid * TAPS * C + t[:, None] * C + c[None, :], dw, mask=(c < C)[None, :])
+        tl.store(db_ptr + pid * C + c, db, mask=c < C)
+
+    @triton.jit
+    def bias_gelu_fwd(y_ptr, b_ptr, out_ptr, n, C, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        keep = offs < n
+        z = tl.load(y_ptr + offs, mask=keep, other=0.0).to(tl.float32)
+        z += tl.load(b_ptr + offs % C, mask=keep, other=0.0).to(tl.float32)
+        out, _ = _gelu_and_slope(z)
+        tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=keep)
+
+    @triton.jit
+    def bias_gelu_bwd(y_ptr, b_ptr, g_ptr, gy_ptr, db_ptr, n_pos, C, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
+        pid, n_prog = tl.program_id(0), tl.num_programs(0)
+        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        bias = tl.load(b_ptr + c, mask=c < C, other=0.0).to(tl.float32)
+        db = tl.zeros([BLOCK_C], tl.float32)
+        for start in range(pid * BLOCK_P, n_pos, n_prog * BLOCK_P):
+            p = tl.arange(0, BLOCK_P).to(tl.int64) + start
+            keep = (p < n_pos)[:, None] & (c < C)[None, :]
+            off = p[:, None] * C + c[None, :]
+            z = tl.load(y_ptr + off, mask=keep, other=0.0).to(tl.float32) + bias[None, :]
+            g = tl.load(g_ptr + off, mask=keep, other=0.0).to(tl.float32)
+            _, slope = _gelu_and_slope(z)
+            g_pre = tl.where(keep, g * slope, 0.0)
+            tl.store(gy_ptr + off, g_pre.to(gy_ptr.dtype.element_ty), mask=keep)
+            db += tl.sum(g_pre, axis=0)
+        tl.store(db_ptr + pid * C + c, db, mask=c < C)
+
+    return triton, conv1_gelu_fwd, conv1_gelu_bwd, bias_gelu_fwd, bias_gelu_bwd
+
+
+def fused_conv_available(x: torch.Tensor) -> bool:
+    """Whether the fused passes run for this input (Triton importable and switched on, CUDA or the
+    test interpreter, an input that takes no gradient)."""
+    return _kernels() is not None and triton_runs_on(x.is_cuda) and not x.requires_grad
+
+
+def _programs(device: torch.device, n_pos: int) -> int:
+    """Backward programs along the positions (per channel block): a few per SM, never more than tiles."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
+    return max(1, min(sms * _PROGRAMS_PER_SM, -(-n_pos // _BLOCK_P)))
+
+
+def _channels_last_flat(t: torch.Tensor) -> torch.Tensor:
+    """``[K, C, H, W]`` -> ``[K*H*W, C]`` (a view when ``t`` is channels-last)."""
+    return t.permute(0, 2, 3, 1).contiguous().view(-1, t.shape[1])
+
+
+class _Conv1Gelu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_K1ML: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        _, conv1_gelu_fwd, _, _, _ = _kernels()
+        k, _, m, length = x_K1ML.shape
+        c = weight.shape[0]
+        ho, wo = (m + 1) // 2, (length + 1) // 2
+        n_pos = k * ho * wo
+        w_TC = torch.zeros(_TAPS, c, dtype=torch.float32, device=weight.device)
+        w_TC[:9] = weight.reshape(c, 9).T.float()
+        out_NC = torch.empty(n_pos, c, dtype=x_K1ML.dtype, device=x_K1ML.device)
+        if n_pos:
+            sxk, _, sxm, sxl = x_K1ML.stride()
+            grid = (-(-n_pos // _BLOCK_P), -(-c // _BLOCK_C))
+            conv1_gelu_fwd[grid](x_K1ML, w_TC, bias, out_NC, n_pos, c, ho, wo, m, length, sxk, sxm, sxl,
+                                 TAPS=_TAPS, BLOCK_P=_BLOCK_P, BLOCK_C=_BLOCK_C)
+        ctx.save_for_backward(x_K1ML, w_TC, bias)
+        ctx.geometry = (n_pos, c, ho, wo, m, length)
+        ctx.weight_meta = (weight.shape, weight.dtype)
+        return out_NC.view(k, ho, wo, c).permute(0, 3, 1, 2)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        _, _, conv1_gelu_bwd, _, _ = _kernels()
+        x_K1ML, w_TC, bias = ctx.saved_tensors
+        n_pos, c, ho, wo, m, length = ctx.geometry
+        g_NC = _channels_last_flat(grad_out)
+        progs = _programs(x_K1ML.device, n_pos)
+        dw_PTC = torch.empty(progs, _TAPS, c, dtype=torch.float32, device=x_K1ML.device)
+        db_PC = torch.empty(progs, c, dtype=torch.float32, device=x_K1ML.device)
+        sxk, _, sxm, sxl = x_K1ML.stride()
+        conv1_gelu_bwd[(progs, -(-c // _BLOCK_C))](x_K1ML, w_TC, bias, g_NC, dw_PTC, db_PC, n_pos, c, ho, wo, m,
+                                                    length, sxk, sxm, sxl, TAPS=_TAPS, BLOCK_P=_BLOCK_P,
+                                                    BLOCK_C=_BLOCK_C)
+        shape, dtype = ctx.weight_meta
+        dw = dw_PTC.sum(0)[:9].T.reshape(shape).to(dtype)
+        return None, dw, db_PC.sum(0).to(bias.dtype)
+
+
+class _BiasGelu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y_KCHW: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        _, _, _, bias_gelu_fwd, _ = _kernels()
+        k, c, h, w = y_KCHW.shape
+        y_NC = _channels_last_flat(y_KCHW)
+        out_NC = torch.empty_like(y_NC)
+        n = y_NC.numel()
+        if n:
+            bias_gelu_fwd[(-(-n // _BLOCK_1D),)](y_NC, bias, out_NC, n, c, BLOCK=_BLOCK_1D)
+        ctx.save_for_backward(y_NC, bias)
+        ctx.shape = (k, c, h, w)
+        return out_NC.view(k, h, w, c).permute(0, 3, 1, 2)
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        _, _, _, _, bias_gelu_bwd = _kernels()
+        y_NC, bias = ctx.saved_tensors
+        k, c, h, w = ctx.shape
+        g_NC = _channels_last_flat(grad_out)
+        gy_NC = torch.empty_like(y_NC)
+        n_pos = y_NC.shape[0]
+        progs = _programs(y_NC.device, n_pos)
+        db_PC = torch.empty(progs, c, dtype=torch.float32, device=y_NC.device)
+        bias_gelu_bwd[(progs, -(-c // _BLOCK_C))](y_NC, bias, g_NC, gy_NC, db_PC, n_pos, c,
+                                                  BLOCK_P=_BLOCK_P, BLOCK_C=_BLOCK_C)
+        return gy_NC.view(k, h, w, c).permute(0, 3, 1, 2), db_PC.sum(0).to(bias.dtype)
+
+
+def conv1_gelu(x_K1ML: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``GELU(F.conv2d(x, weight, bias, stride=2, padding=1))`` for one input channel in one pass:
+    x ``[K, 1, M, L]`` (any strides; takes no gradient), weight ``[C, 1, 3, 3]``, bias ``[C]`` ->
+    ``[K, C, Ho, Wo]`` with channels-last strides."""
+    if x_K1ML.dim() != 4 or x_K1ML.shape[1] != 1 or tuple(weight.shape[1:]) != (1, 3, 3):
+        raise ValueError(f"conv1_gelu takes x [K, 1, M, L] and weight [C, 1, 3, 3], got {tuple(x_K1ML.shape)} "
+                         f"and {tuple(weight.shape)}")
+    return _Conv1Gelu.apply(x_K1ML, weight, bias)
+
+
+def bias_gelu(y_KCHW: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``GELU(y + bias[:, None, None])`` in one pass (its backward also reduces the bias gradient);
+    y ``[K, C, H, W]``, best channels-last (other strides are copied to it); output channels-last."""
+    if bias is None or y_KCHW.dim() != 4 or tuple(bias.shape) != (y_KCHW.shape[1],):
+        raise ValueError(f"bias_gelu takes y [K, C, H, W] and bias [C], got {tuple(y_KCHW.shape)} and "
+                         f"{None if bias is None else tuple(bias.shape)}")
+    return _BiasGelu.apply(y_KCHW, bias)
