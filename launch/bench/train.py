@@ -119,7 +119,11 @@ def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16
             torch.cuda.reset_peak_memory_stats()
         for r in range(warmup + iters):
             for n, fn in fns.items():
+                retries = _alloc_retries(dev)
                 res = fn()
+                # the caching allocator's retries (free every cached block, then cudaMalloc again: a device
+                # sync each): a budget that leaves too little memory shows here before it fails
+                res["alloc_retries"] = _alloc_retries(dev) - retries
                 if r >= warmup:
                     rows[n].append(res)
             say(f"round {r + 1}/{warmup + iters} done")
@@ -151,6 +155,12 @@ def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16
     _plot(res, out / "bench_train.png")
     _print_table(res)
     return res
+
+
+def _alloc_retries(dev) -> int:
+    import torch
+
+    return int(torch.cuda.memory_stats(dev).get("num_alloc_retries", 0)) if dev.type == "cuda" else 0
 
 
 PROFILE_TOP = 30

@@ -8,8 +8,8 @@ k times over 10 bytes per parameter (read fp32 and bf16, write fp32). megatron's
 gradient-accumulation fusion, needs Apex's wgrad kernels (absent here) and covers only its own
 linears, not our grouped experts (``model_bridge/modeling/experts.py``).
 
-:func:`install` puts a tensor hook on each CUDA parameter whose gradient is half precision and
-whose ``main_grad`` is fp32. Tensor hooks run before the accumulator, so before DDP's hook: ours
+:func:`install` puts a tensor hook on each CUDA parameter of at least :data:`MIN_NUMEL` elements
+whose gradient is half precision and whose ``main_grad`` is fp32. Tensor hooks run before the accumulator, so before DDP's hook: ours
 adds the gradient into ``main_grad`` with one vectorised Triton kernel and sets
 ``param.grad_added_to_main_grad``, megatron's flag for "already accumulated" (DDP resets it at
 ``zero_grad_buffer``). DDP's hook then skips its add, frees the gradient and reports the
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import torch
 
@@ -34,6 +35,11 @@ __all__ = ["install", "paused", "accumulate_"]
 
 _BLOCK = 4096
 """Elements per Triton program: 16 KiB of fp32, so each thread moves whole 16-byte vectors."""
+MIN_NUMEL = int(os.environ.get("MGRPO_GRAD_ACCUM_MIN_NUMEL", 1 << 20))
+"""Smaller parameters keep DDP's own add. A Triton launch from Python costs tens of microseconds
+of host time, more than torch's add of a million elements takes on the device, and the biases
+and norms (1,280 or 2,048 values each) are most of a model's parameters by count: hooking them
+added hundreds of launches per micro-batch for nothing the device would notice."""
 _paused = 0
 
 
@@ -86,7 +92,7 @@ def _eligible(p: torch.nn.Parameter) -> bool:
     mg = getattr(p, "main_grad", None)
     # zero_out_wgrad (a tied embedding on one stage): DDP adds its gradient whatever the flag says
     return (p.requires_grad and mg is not None and mg.dtype == torch.float32 and not getattr(p, "zero_out_wgrad", False)
-            and p.dtype in (torch.bfloat16, torch.float16) and triton_runs_on(p.is_cuda))
+            and p.dtype in (torch.bfloat16, torch.float16) and p.numel() >= MIN_NUMEL and triton_runs_on(p.is_cuda))
 
 
 def install(model_chunks) -> int:

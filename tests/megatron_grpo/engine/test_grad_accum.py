@@ -9,6 +9,8 @@ import torch
 from model_bridge.spawn import run_ranks
 
 INTERPRET = {"TRITON_INTERPRET": "1", "MGRPO_TRITON_GLU_CPU": "1"}
+EVERY_PARAM = {"MGRPO_GRAD_ACCUM_MIN_NUMEL": "1"}
+"""The tiny model's parameters are all below the default size for a hook: hook every one."""
 
 
 def _kernel_rank() -> dict:
@@ -75,13 +77,13 @@ def _check(res):
 
 @pytest.mark.slow
 def test_hooks_give_ddp_main_grads_bit_identically_on_cpu(tiny_ckpt):
-    _check(run_ranks(_ddp_vs_hooks_rank, 1, str(tiny_ckpt), env=INTERPRET, timeout=900)[0])
+    _check(run_ranks(_ddp_vs_hooks_rank, 1, str(tiny_ckpt), env={**INTERPRET, **EVERY_PARAM}, timeout=900)[0])
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_hooks_give_ddp_main_grads_bit_identically_on_gpu(tiny_ckpt):
-    _check(run_ranks(_ddp_vs_hooks_rank, 1, str(tiny_ckpt), timeout=900)[0])
+    _check(run_ranks(_ddp_vs_hooks_rank, 1, str(tiny_ckpt), env=EVERY_PARAM, timeout=900)[0])
 
 
 def test_cpu_parameters_are_left_to_ddp():
@@ -90,3 +92,22 @@ def test_cpu_parameters_are_left_to_ddp():
     p = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
     p.main_grad = torch.zeros(3)
     assert install([torch.nn.ParameterList([p])]) == 0
+
+
+def _size_rank() -> dict:
+    from megatron_grpo.engine.grad_accum import MIN_NUMEL, install
+
+    params = []
+    for n in (2048, MIN_NUMEL - 1, MIN_NUMEL):
+        p = torch.nn.Parameter(torch.zeros(n, dtype=torch.bfloat16))
+        p.main_grad = torch.zeros(n)
+        params.append(p)
+    return {"min_numel": MIN_NUMEL, "hooked": install([torch.nn.ParameterList(params)]),
+            "which": [bool(getattr(p, "_mgrpo_grad_accum", False)) for p in params]}
+
+
+def test_only_parameters_of_a_million_elements_or_more_are_hooked():
+    """A norm's or a bias's gradient keeps DDP's add (a Triton launch costs more host time than it
+    saves device time); the threshold is ``MGRPO_GRAD_ACCUM_MIN_NUMEL``, 2**20 by default."""
+    res = run_ranks(_size_rank, 1, env=INTERPRET)[0]
+    assert res == {"min_numel": 1 << 20, "hooked": 1, "which": [False, False, True]}, res

@@ -177,7 +177,12 @@ def test_fused_path_is_off_on_cpu_and_for_an_input_with_gradient():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_fused_bias_gelu_on_gpu():
-    """The same cases compiled on the GPU in fp32 (to fp32 rounding) and bf16 (one bf16 rounding of
-    each output; gradients summed in fp32 then rounded)."""
-    _check_fused(_fused_cases("cuda", torch.float32), 2e-6)
+    """The same cases compiled on the GPU in fp32 (to fp32 rounding; cuDNN's convs without TF32) and
+    bf16 (one bf16 rounding of each output; gradients summed in fp32 then rounded)."""
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        _check_fused(_fused_cases("cuda", torch.float32), 2e-6)
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
     _check_fused(_fused_cases("cuda", torch.bfloat16), 2e-2)
