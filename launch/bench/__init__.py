@@ -3,7 +3,8 @@
 A kind is a module of this package with ``add_parser(subparsers)``; register it in ``KINDS``. Its
 ``python -m launch.bench.KIND`` entry is :func:`launch.bench._cli.bench_main`; modules named ``_*`` are
 internal (``_layers_*`` and ``_sync_*``: the parts of ``layers`` and ``sync``, which re-export their names).
-Kinds: ``checkpoint`` (training-checkpoint save and load time and peak host memory, same and another
+Kinds: ``audio_front`` (the audio tower's conv front-end, fused Triton passes against unfused,
+:mod:`launch.bench.audio_front`), ``checkpoint`` (training-checkpoint save and load time and peak host memory, same and another
 layout, CPU ranks, :mod:`launch.bench.checkpoint`), ``convert`` (HF <-> Megatron dist checkpoint conversion throughput and peak RSS on a
 full-width Qwen3-Omni-layout checkpoint, :mod:`launch.bench.convert`), ``layers`` (N full-width
 thinker layers fwd+bwd: ours vs HF transformers vs megatron's local spec, with the kernel ceiling,
@@ -26,7 +27,7 @@ import importlib
 
 __all__ = ["add_bench_parser", "KINDS"]
 
-KINDS = {"checkpoint": "launch.bench.checkpoint", "convert": "launch.bench.convert", "layers": "launch.bench.layers", "packing": "launch.bench.packing",
+KINDS = {"audio_front": "launch.bench.audio_front", "checkpoint": "launch.bench.checkpoint", "convert": "launch.bench.convert", "layers": "launch.bench.layers", "packing": "launch.bench.packing",
          "report": "launch.bench.report", "routes": "launch.bench.routes", "sync": "launch.bench.sync",
          "to_ranks": "launch.bench.to_ranks", "train": "launch.bench.train"}
 """bench kind -> module with ``add_parser(subparsers)`` (argparse only; heavy imports when it runs)."""
