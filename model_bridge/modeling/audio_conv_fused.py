@@ -17,9 +17,11 @@ and :func:`bias_gelu` adds the bias and applies GELU in one pass (torch adds a c
 separate broadcast pass, unvectorised); its backward writes the pre-activation's gradient and
 reduces the bias gradient in the same pass.
 
-Arithmetic: fp32 inside (the 9 products of half-precision values are exact in fp32), one rounding
-to the output dtype; gradients of weights and biases are fp32 partial sums per program, summed in
-a fixed order (deterministic). GELU is the exact (erf) one, as ``F.gelu`` and HF's audio tower.
+Arithmetic: the first conv's products on tensor cores in the input dtype with fp32 accumulation
+(products of half-precision values are exact in fp32), the rest in fp32, one rounding to the
+output dtype; the gradient at a pre-activation is rounded to the input dtype before it meets the
+weight-gradient dot, as the unfused path's GELU backward output is; weight and bias gradients are
+fp32 partial sums per program, summed in a fixed order (deterministic). GELU is the exact (erf) one, as ``F.gelu`` and HF's audio tower.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ from ._triton import import_triton, triton_runs_on
 __all__ = ["fused_conv_available", "conv1_gelu", "bias_gelu"]
 
 _TAPS = 16
-"""The first conv's 3x3 taps padded to 16: ``tl.dot`` needs every dimension >= 16."""
+"""The first conv's 9 taps and its bias's tap, padded to 16: ``tl.dot`` needs every dimension >= 16."""
 _BLOCK_P = 128
 """Output positions per tile."""
 _BLOCK_C = 32
@@ -41,13 +43,15 @@ _BLOCK_C = 32
 _CONV1_FWD_TILE = (128, 32, 4)
 """(positions, channels, warps) of the first conv's forward tile; a program gathers its positions'
 3x3 windows once and loops over the channel blocks. Best of 8 tiles on an H200 (1.13 ms for 500
-chunks of 480 channels against 1.89 ms unfused; ``.probe``-style sweep, 2026-12-03)."""
+chunks of 480 channels against 1.89 ms unfused; a sweep on the H200, 2026-12-03)."""
 _CONV1_BWD_TILE = (128, 32, 4)
 """(positions, channels, warps) of the first conv's backward tile. Best of 10 on an H200 (2.35 ms
-for 500 chunks; wider tiles spill registers: 64 x 128 with 8 warps took 5.7 ms)."""
+for 500 chunks, against 2.23 ms for the unfused GELU backward + weight GEMM, which read the stored
+pre-activation this path does not keep; wider tiles spill registers: 64 x 128 with 8 warps took
+5.7 ms)."""
 _PROGRAMS_PER_SM = 4
 """Backward programs per SM and channel block: each loops over positions and keeps its weight and
-bias partial sums in registers, so the partials stay a few MB however long the audio."""
+bias partial sums in its dot's accumulator, so the partials stay a few MB however long the audio."""
 
 
 @functools.lru_cache(maxsize=None)
