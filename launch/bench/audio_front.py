@@ -24,19 +24,6 @@ from pathlib import Path
 __all__ = ["run_bench", "add_parser", "main"]
 
 
-def _unfused(x, params):
-    import torch
-    import torch.nn.functional as F
-
-    from model_bridge.modeling.audio_conv import conv1_as_gemm
-
-    (w1, b1), *rest = params
-    h = F.gelu(conv1_as_gemm(x, w1, b1))
-    for w, b in rest:
-        h = F.gelu(F.conv2d(h, w.contiguous(memory_format=torch.channels_last), b, stride=2, padding=1))
-    return h
-
-
 def run_bench(out_dir, chunks: int = 3850, part: int = 500, channels: int = 480, mels: int = 128,
               iters: int = 3, device: str | None = None, seed: int = 0) -> dict:
     import torch
@@ -45,6 +32,7 @@ def run_bench(out_dir, chunks: int = 3850, part: int = 500, channels: int = 480,
     from model_bridge.modeling.audio_conv_fused import fused_conv_available
 
     from ._layers_timing import _env
+    from ._train_systems import _sync
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -55,9 +43,9 @@ def run_bench(out_dir, chunks: int = 3850, part: int = 500, channels: int = 480,
                .to(dev, dtype).requires_grad_(),
                (torch.randn(channels, generator=g) * 0.1).to(dev, dtype).requires_grad_()) for i in range(3)]
     flat = [t for p in params for t in p]
-    paths = {"unfused": _unfused}
+    paths = {"unfused": lambda xs, ps: conv_front_end(xs, ps, fused=False)}
     if fused_conv_available(x):
-        paths["fused"] = conv_front_end
+        paths["fused"] = lambda xs, ps: conv_front_end(xs, ps, fused=True)
 
     def step(fn):
         with torch.no_grad():
@@ -67,22 +55,18 @@ def run_bench(out_dir, chunks: int = 3850, part: int = 500, channels: int = 480,
         grads = torch.autograd.grad(out.float().square().sum(), flat)
         return out.detach(), grads
 
-    def sync():
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-
     results = {n: step(fn) for n, fn in paths.items()}  # warm-up (Triton compiles), kept to compare
     times = {n: [] for n in paths}
     peaks = {n: 0 for n in paths}
     for _ in range(iters):
         for n, fn in paths.items():
-            sync()
+            _sync(dev)
             if dev.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(dev)
                 base = torch.cuda.memory_allocated(dev)
             t0 = time.perf_counter()
             step(fn)
-            sync()
+            _sync(dev)
             times[n].append(time.perf_counter() - t0)
             if dev.type == "cuda":
                 peaks[n] = max(peaks[n], torch.cuda.max_memory_allocated(dev) - base)

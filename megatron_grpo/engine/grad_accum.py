@@ -9,8 +9,8 @@ gradient-accumulation fusion, needs Apex's wgrad kernels (absent here) and cover
 linears, not our grouped experts (``model_bridge/modeling/experts.py``).
 
 :func:`install` puts a tensor hook on each CUDA parameter of at least :data:`MIN_NUMEL` elements
-whose gradient is half precision and whose ``main_grad`` is fp32. Tensor hooks run before the accumulator, so before DDP's hook: ours
-adds the gradient into ``main_grad`` with one vectorised Triton kernel and sets
+whose gradient is half precision and whose ``main_grad`` is fp32. Tensor hooks run before the
+accumulator, so before DDP's hook: ours adds the gradient into ``main_grad`` with one vectorised Triton kernel and sets
 ``param.grad_added_to_main_grad``, megatron's flag for "already accumulated" (DDP resets it at
 ``zero_grad_buffer``). DDP's hook then skips its add, frees the gradient and reports the
 parameter ready to its bucket as before, so overlapped grad reduction and the distributed

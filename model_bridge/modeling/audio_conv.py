@@ -20,6 +20,8 @@ straight from the mel image; ``conv1_as_gemm`` stays the path elsewhere (CPU, an
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 
@@ -51,12 +53,16 @@ def conv1_as_gemm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> 
     return out_NC.view(k, ho, wo, -1).permute(0, 3, 1, 2)
 
 
-def conv_front_end(x: torch.Tensor, convs: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+def conv_front_end(x: torch.Tensor, convs: list[tuple[torch.Tensor, torch.Tensor]],
+                   fused: Optional[bool] = None) -> torch.Tensor:
     """x [K, 1, M, L] -> GELU(conv3(GELU(conv2(GELU(conv1(x)))))) [K, C, M/8, L/8] (rounded up;
-    channels-last strides). ``convs``: the three (weight, bias) pairs, all in x's dtype. On CUDA
-    each bias and GELU run fused into one Triton pass (``audio_conv_fused.py``), the first conv's too."""
+    channels-last strides). ``convs``: the three (weight, bias) pairs, all in x's dtype. ``fused``
+    (default: where it runs, ``fused_conv_available``): each bias and GELU in one Triton pass
+    (``audio_conv_fused.py``), the first conv's too; False: the first conv as a GEMM, cuDNN's bias,
+    ``F.gelu``."""
     (w1, b1), *rest = convs
-    fused = fused_conv_available(x)
+    if fused is None:
+        fused = fused_conv_available(x)
     h = conv1_gelu(x, w1, b1) if fused else F.gelu(conv1_as_gemm(x, w1, b1))
     for w, b in rest:  # a channels-last weight too (4 MB): cuDNN then takes its NHWC kernels as they are
         w_cl = w.contiguous(memory_format=torch.channels_last)
