@@ -171,11 +171,21 @@ class TrainerSection:
     width."""
     shared_clips: bool = True
     """A clip several samples of a rank's step use (a GRPO group's recording) goes through the audio
-    tower once per step: a first pass, then one recomputation for the backward of all its uses
-    (``model_bridge/modeling/shared_audio.py``; the same gradients up to summation order), and the
+    tower once per step: a first pass, then one backward of all its uses, through the first pass's
+    kept graph or a recomputation (``shared_clips_keep``; ``model_bridge/modeling/shared_audio.py``;
+    the same gradients up to summation order), and the
     packer keeps a group's samples on few data-parallel ranks while each rank stays within the mean
     token count (``packing.balance_samples``). false: once per sample, forward and backward, and
     plain longest-first balancing."""
+    shared_clips_keep: float = 0.5
+    """With ``shared_clips``, > 0: every clip of a rank's step (the crops too) goes through the audio
+    tower in batches of several micro-batches' clips, one call each, and the first pass keeps its
+    activations for the backward: the crops' batches (at most this many micro-batch token budgets
+    of audio each, a budget's tokens all audio) always, the shared recordings' while the kept ones
+    hold at most this many budgets; the rest is recomputed in the backward (docs/training.md). The
+    kept activations are memory the ``auto`` budget does not count (at 8 full-width layers on one
+    H200, 1 ran out of memory, 0.5 peaked 4.7 GiB over 0). 0: only the shared recordings go
+    through the tower once, each recomputed (the least memory)."""
     device_features: bool = True
     """On GPU, compute the audio clips' log-mel features on the device
     (``data/device_features.py``, the Whisper extractor's math in torch, within 2e-3 of it) instead
@@ -185,6 +195,9 @@ class TrainerSection:
         if self.steps < 1 or self.prompts_per_step < 1:
             raise ValueError(f"trainer.steps and trainer.prompts_per_step must be >= 1, got "
                              f"{self.steps}, {self.prompts_per_step}")
+        if self.shared_clips_keep < 0:
+            raise ValueError(f"trainer.shared_clips_keep must be >= 0 (0: recompute the shared clips), got "
+                             f"{self.shared_clips_keep}")
 
 
 @dataclass

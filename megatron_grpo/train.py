@@ -328,7 +328,8 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
                     mbs = build_train_microbatches(trajs, plan, run.dp_rank, run.packing, featurize=run.featurize,
                                                    n_window=engine.spec.audio.n_window,
                                                    routes=cfg.rollout.routing_replay == "r3",
-                                                   share_clips=cfg.trainer.shared_clips)
+                                                   share_clips=cfg.trainer.shared_clips,
+                                                   keep_shared=cfg.trainer.shared_clips_keep)
                     check_schedule(StepSchedule.from_microbatches(step, mbs))
                     lps = {} if run.kept.wants(step) else None
                     with wd.collective("train_step"):                       # 5. train step

@@ -4,6 +4,8 @@ and optimizer) and the same trajectories; each is one "step" over the step's mic
 * ``train``: the training phase exactly as ``mgrpo train`` runs it (``train.py``'s step 3-4):
   ``plan_step`` -> ``build_train_microbatches`` (featurising every clip with the trainer's
   featurizer) -> ``check_schedule`` -> ``train_step``; timed with a sync at its end only;
+* ``train_recompute``: the same with ``trainer.shared_clips_keep: 0`` (every shared recording's
+  first pass recomputed in the backward instead of kept);
 * ``train_split``: the same calls with syncs between them, so each part has its time:
   featurise (inside the build), pack (the build minus featurise, plus ``plan_step`` and the
   schedule check; each of the three also on its own: ``plan_s``, ``build_s``, ``check_s``),
@@ -15,7 +17,8 @@ and optimizer) and the same trajectories; each is one "step" over the step's mic
   the trainer's) with loss = minus the mean logprob over the loss tokens;
 * ``audio``: the audio tower alone as the trainer runs it (``OmniThinker.audio_rows``): fwd+bwd of
   each micro-batch's own clips, and once per step the clips several samples share (a group's
-  recording: a first pass, then the recomputation in its last user's backward), ``sum(out * R)``;
+  recording: a first pass, then the backward through its kept graph or a recomputation in its last
+  user's backward, as ``train``), ``sum(out * R)``;
 * ``h2d``: every micro-batch copied to the device (``TrainMicroBatch.to``, as the forward step does).
 
 The gradients of ``stack``/``stack_lm``/``audio`` go into the same DDP buffers and are zeroed after
@@ -39,14 +42,16 @@ def _sync(device) -> None:
 class TrainBench:
     """One engine, one list of trajectories, the systems above as methods returning their times (s)."""
 
-    def __init__(self, engine, trajectories, packing, step_cfg, featurize, device, shared_clips: bool = True):
+    def __init__(self, engine, trajectories, packing, step_cfg, featurize, device, shared_clips: bool = True,
+                 keep_shared: float = 0.5):
         import torch
 
         from megatron_grpo.engine.setup import unwrapped
         from megatron_grpo.packing import plan_step
 
         self.engine, self.trajs, self.packing, self.cfg, self.featurize = engine, trajectories, packing, step_cfg, featurize
-        self.device, self.shared_clips = device, shared_clips
+        self.device, self.shared_clips, self.keep_shared = device, shared_clips, keep_shared
+        self.shared_kept = None
         self.thinker = unwrapped(engine.model[0])
         self.step_no = 0
         self.lengths = [t.num_tokens for t in trajectories]
@@ -67,7 +72,7 @@ class TrainBench:
 
     # ---- the training phase -------------------------------------------------------------------
 
-    def _build(self, plan, feat_s: list):
+    def _build(self, plan, feat_s: list, keep_shared=None):
         from megatron_grpo.engine.batch import build_train_microbatches
 
         def timed(waves):
@@ -79,10 +84,12 @@ class TrainBench:
             return out
 
         return build_train_microbatches(self.trajs, plan, 0, self.packing, featurize=timed,
-                                        n_window=self.engine.spec.audio.n_window, share_clips=self.shared_clips)
+                                        n_window=self.engine.spec.audio.n_window, share_clips=self.shared_clips,
+                                        keep_shared=self.keep_shared if keep_shared is None else keep_shared)
 
-    def train(self) -> dict:
-        """``mgrpo train``'s step 3-4 as it runs (one sync, at the end)."""
+    def train(self, keep_shared=None) -> dict:
+        """``mgrpo train``'s step 3-4 as it runs (one sync, at the end); ``keep_shared`` overrides
+        ``trainer.shared_clips_keep``."""
         from megatron_grpo.engine.step import train_step
         from megatron_grpo.hang import StepSchedule, check_schedule
         from megatron_grpo.packing import plan_step
@@ -91,10 +98,15 @@ class TrainBench:
         _sync(self.device)
         t0 = time.perf_counter()
         plan = plan_step(self.lengths, 1, self.packing)
-        mbs = self._build(plan, [0.0])
+        mbs = self._build(plan, [0.0], keep_shared)
         check_schedule(StepSchedule.from_microbatches(self.step_no, mbs))
-        self.last_metrics = m = train_step(self.engine, mbs, self.cfg, step=self.step_no)
+        m = train_step(self.engine, mbs, self.cfg, step=self.step_no)
         _sync(self.device)
+        if keep_shared is None:
+            self.last_metrics = m
+            shared = next((x.clip_use.shared for x in mbs if x.clip_use), None)
+            self.shared_kept = None if shared is None else {"batches": len(shared.batches),
+                                                            "kept": shared.kept_batches}
         return {"phase_s": time.perf_counter() - t0, "grad_norm": m["grad_norm"], "loss": m["loss"],
                 "skipped": m["skipped"]}
 
@@ -207,7 +219,8 @@ class TrainBench:
 
     def systems(self, names) -> dict:
         """name -> callable returning that system's times of one step."""
-        table = {"train": self.train, "train_split": self.train_split, "stack": self.stack,
+        table = {"train": self.train, "train_recompute": partial(self.train, 0.0), "train_split": self.train_split,
+                 "stack": self.stack,
                  "stack_lm": partial(self.stack, True), "audio": self.audio, "h2d": self.h2d}
         unknown = [n for n in names if n not in table]
         if unknown:

@@ -17,7 +17,9 @@ The side systems below run eagerly.
 Systems (``_train_systems``), run in turns, round by round (``--warmup`` untimed rounds, then
 ``--iters`` timed ones; medians reported), all on the same engine and micro-batches:
 ``train`` (the phase as ``mgrpo train`` runs it: plan -> build micro-batches with features ->
-schedule check -> ``train_step``), ``train_split`` (the same with a sync between the parts),
+schedule check -> ``train_step``), ``train_recompute`` (the same with every shared recording
+recomputed in the backward instead of its first pass kept: ``trainer.shared_clips_keep: 0``;
+``--shared-keep`` sets ``train``'s), ``train_split`` (the same with a sync between the parts),
 ``stack`` (layer stack alone: embedding, decoder, final norm), ``stack_lm`` (layer stack + fused
 LM-head logprob), ``audio`` (the audio tower alone), ``h2d`` (the micro-batches' copy to the device).
 
@@ -51,13 +53,13 @@ TARGET_VS_STACK_LM = 0.8
 """``train`` tokens/s over ``stack_lm`` tokens/s."""
 TARGET_HOST_SHARE = 0.05
 """featurise + pack + H2D over the training phase."""
-SYSTEMS = ("train", "train_split", "stack", "stack_lm", "audio", "h2d")
+SYSTEMS = ("train", "train_recompute", "train_split", "stack", "stack_lm", "audio", "h2d")
 
 
 def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16, mb_tokens: int | str = "auto",
               systems=SYSTEMS, warmup: int = 1, iters: int = 3, seed: int = 0, tiny: bool = False,
               device: str | None = None, work_dir=None, host_features: bool = False, hf_dir=None,
-              cuda_graphs: bool = True, shared_clips: bool = True, profile=()) -> dict:
+              cuda_graphs: bool = True, shared_clips: bool = True, keep_shared: float = 0.5, profile=()) -> dict:
     """Run the benchmark (module docstring); write ``bench_train.json`` / ``.png`` under ``out_dir``."""
     import torch
 
@@ -109,7 +111,7 @@ def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16
                                    ranges=TINY_RANGES if tiny else None, n_window=engine.spec.audio.n_window)
         bench = TrainBench(engine, trajs, PackLimits(max_tokens_per_microbatch=mb_tokens, allow_oversized=True),
                            StepConfig(max_consecutive_skips=10**6), featurize, dev,  # report, never stop
-                           shared_clips=shared_clips)
+                           shared_clips=shared_clips, keep_shared=keep_shared)
         say(f"{samples} samples, {bench.real_tokens} tokens ({bench.total_tokens} with padding) in "
             f"{len(bench.host_mbs)} micro-batches, {bench.num_clips} clips; {warmup} + {iters} rounds of "
             f"{', '.join(systems)}")
@@ -138,7 +140,8 @@ def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16
                "micro_batches": [m.num_tokens for m in bench.host_mbs], "audio_clips": bench.num_clips,
                "audio_seconds": sum(len(w) for t in trajs for w in t.audios) / 16000.0,
                "audio_seconds_distinct": sum(len(w) for w in {id(w): w for t in trajs for w in t.audios}.values()) / 16000.0,
-               "shared_clips": shared_clips,
+               "shared_clips": shared_clips, "shared_clips_keep": keep_shared,
+               "shared_batches_kept": bench.shared_kept,
                "systems": {n: _summary(v, bench.real_tokens) for n, v in rows.items()},
                "optimizer_bound": optimizer_bound(engine, dev),
                "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None,
@@ -215,6 +218,9 @@ def report(res: dict) -> dict:
         r["train_vs_stack_lm_tok_s"] = stack_lm / train
     if train and stack:
         r["train_vs_stack_tok_s"] = stack / train
+    recompute = med("train_recompute", "phase_s_median")
+    if train and recompute:  # what keeping the shared recordings' first pass saves
+        r["train_vs_train_recompute_tok_s"] = recompute / train
     phase = split.get("phase_s_median")
     if phase:
         fb = split["forward_backward_s_median"]
@@ -298,6 +304,7 @@ def _cmd(args: argparse.Namespace) -> int:
               mb_tokens=args.mb_tokens, systems=systems, warmup=args.warmup, iters=args.iters, seed=args.seed,
               tiny=args.tiny, device=args.device, work_dir=args.work_dir, host_features=args.host_features,
               hf_dir=args.hf_dir, cuda_graphs=not args.no_cuda_graphs, shared_clips=not args.no_shared_clips,
+              keep_shared=args.shared_keep,
               profile=[x for x in args.profile.split(",") if x])
     return 0
 
@@ -336,6 +343,9 @@ def add_parser(bsub) -> argparse.ArgumentParser:
                    help="train eagerly; the bench replays CUDA graphs on GPU by default (mgrpo train: trainer.cuda_graphs, off by default)")
     s.add_argument("--no-shared-clips", action="store_true",
                    help="run a group's shared recording through the audio tower once per sample (trainer.shared_clips: false)")
+    s.add_argument("--shared-keep", type=float, default=0.5,
+                   help="trainer.shared_clips_keep of the train systems (default 1: keep the shared recordings' "
+                        "first pass for the backward, up to a micro-batch budget of audio; 0: recompute them)")
     s.add_argument("--profile", default="", help="comma-separated systems to run once more under torch.profiler "
                                                  "after the timed rounds: their top kernels into profile_NAME.txt and the JSON")
     s.add_argument("--hf-dir", default=None, help="train this checkpoint instead of generating one (--tiny: its "

@@ -15,7 +15,8 @@ A :class:`TrainMicroBatch` holds, on the CPU until :meth:`TrainMicroBatch.to`:
   a dummy clip, hang invariant 2); a clip that several samples of the rank's step use (a GRPO
   group's recording is one object in each of its generations) is left out of them and named in
   ``clip_use`` instead, so the tower runs once per step on it, not once per sample
-  (``model_bridge.modeling.shared_audio``).
+  (``model_bridge.modeling.shared_audio``); with ``keep_shared > 0`` (the default) every clip is,
+  so the tower runs on batches of several micro-batches' clips.
 
 Features are computed per sample (by default each clip on its own, as vLLM featurised it for the
 rollout: ``megatron_grpo.data.features``), so a sample's features never depend on which samples
@@ -242,21 +243,51 @@ def _featurize_step(trajectories, ids: Sequence[int], featurize: Optional[Featur
         cache[k] = (a, part, n)
 
 
-def _clip_uses(mbs, trajectories, share: bool) -> tuple[dict[int, int], dict[int, int]]:
-    """``(index, last)``: id of each clip used more than once in these micro-batches -> its index in
-    the step's :class:`SharedClips` (first-use order), and that index -> the last micro-batch that
-    uses it; both empty unless ``share``."""
+def _clip_uses(mbs, trajectories, share: bool, pool: bool) -> tuple[dict[int, int], dict[int, tuple[int, int]]]:
+    """``(index, span)``: id of each clip of these micro-batches that goes through
+    :class:`SharedClips` -> its index there (first-use order), and that index -> the first and the
+    last micro-batch that use it. Without ``pool`` only the clips used more than once; with it every
+    clip; both empty unless ``share``."""
     if not share:
         return {}, {}
     counts: dict[int, int] = {}
-    last: dict[int, int] = {}
+    span: dict[int, tuple[int, int]] = {}
     for k, mb in enumerate(mbs):
         for i in mb.sample_ids:
             for a in trajectories[i].audios:
                 counts[id(a)] = counts.get(id(a), 0) + 1
-                last[id(a)] = k
-    index = {key: c for c, key in enumerate(key for key, n in counts.items() if n > 1)}
-    return index, {c: last[key] for key, c in index.items()}
+                span[id(a)] = (span.get(id(a), (k, k))[0], k)
+    index = {key: c for c, key in enumerate(key for key, n in counts.items() if pool or n > 1)}
+    return index, {c: span[key] for key, c in index.items()}
+
+
+def _pooled_batches(span: dict[int, tuple[int, int]], lens: Sequence[int], local_frames: int, max_frames: int):
+    """``(batches, always_keep)`` of a pooled :class:`SharedClips`: the clips that one micro-batch
+    alone uses go in batches of whole micro-batches' clips, consecutive micro-batches while the
+    batch holds at most ``local_frames`` frames; each such batch is freed by the backward of its last
+    micro-batch, before the next one runs, so all of them keep their first pass
+    (``always_keep``). The clips that several micro-batches use go, in first-use order, in batches
+    of at most ``max_frames`` frames, kept within ``keep_frames`` (they may live across many
+    micro-batches)."""
+    local, wide = [], []
+    for c in range(len(lens)):
+        (local if span[c][0] == span[c][1] else wide).append(c)
+    batches: list[list[int]] = []
+    for c in local:  # first-use order: micro-batch by micro-batch
+        last = batches[-1] if batches else None
+        same_mb = last is not None and span[last[-1]][0] == span[c][0]
+        if last is not None and (same_mb or sum(lens[j] for j in last) + lens[c] <= local_frames):
+            last.append(c)
+        else:
+            batches.append([c])
+    keep = range(len(batches))
+    for c in wide:
+        last = batches[-1] if len(batches) > len(keep) else None
+        if last is not None and sum(lens[j] for j in last) + lens[c] <= max_frames:
+            last.append(c)
+        else:
+            batches.append([c])
+    return batches, tuple(keep)
 
 
 def reset_shared_clips(microbatches: Sequence["TrainMicroBatch"]) -> None:
@@ -270,7 +301,8 @@ def build_train_microbatches(trajectories: Sequence, plan: PackPlan, dp_rank: in
                              advantages_N: Optional[torch.Tensor] = None, featurize: Optional[Featurizer] = None,
                              feature_extractor=None, n_window: int = 50,
                              ref_logprobs_by_sample: Optional[Sequence[torch.Tensor]] = None,
-                             routes: bool = False, share_clips: bool = True) -> list[TrainMicroBatch]:
+                             routes: bool = False, share_clips: bool = True,
+                             keep_shared: float = 0.5) -> list[TrainMicroBatch]:
     """The :class:`TrainMicroBatch` list of DP rank ``dp_rank`` under ``plan``.
 
     ``trajectories[i]`` is global sample i (``megatron_grpo.trajectory.Trajectory``; the same list
@@ -281,8 +313,17 @@ def build_train_microbatches(trajectories: Sequence, plan: PackPlan, dp_rank: in
     each) fills ``ref_logprobs_T``. ``routes``: pack the trajectories' ``routed_experts`` into
     ``routed_experts_TLK`` (R3, ``engine.routes.pack_routes``). ``share_clips``: a clip object that
     several samples of this rank use (a group's recording) goes through the audio tower once per
-    pass (``TrainMicroBatch.clip_use``); False: once per use.
+    pass (``TrainMicroBatch.clip_use``); False: once per use. ``keep_shared > 0`` pools every clip
+    (own ones too) in the step's :class:`SharedClips`, so the tower runs once per batch of
+    micro-batches instead of once per micro-batch, and keeps the first pass's activations for the
+    backward: always for the batches of clips that one micro-batch alone uses (of at most
+    ``keep_shared`` micro-batch budgets of audio frames, ``keep_frames``, each;
+    :func:`_pooled_batches`), and for the batches of clips that several use while those hold at
+    most ``keep_frames``; the rest is recomputed. 0: only the clips used more than once are
+    shared, all recomputed.
     """
+    if keep_shared < 0:
+        raise ValueError(f"keep_shared must be >= 0 (0: recompute every shared clip), got {keep_shared}")
     n = len(trajectories)
     mine = [i for mb in plan.microbatches[dp_rank] for i in mb]  # only these are read: the others may be
     if len(plan.lengths) != n or any(len(trajectories[i].input_ids_T) != plan.lengths[i] for i in mine):
@@ -308,7 +349,8 @@ def build_train_microbatches(trajectories: Sequence, plan: PackPlan, dp_rank: in
         refs = [torch.as_tensor(r, dtype=torch.float32) for r in ref_logprobs_by_sample]
     out, clip_features = [], {}
     _featurize_step(trajectories, mine, featurize, clip_features)
-    shared_ix, last_user = _clip_uses(mbs, trajectories, share_clips)
+    pool = keep_shared > 0  # every clip through SharedClips: a tower call per batch, not per micro-batch
+    shared_ix, span = _clip_uses(mbs, trajectories, share_clips, pool)
     shared_feats: dict[int, torch.Tensor] = {}
     per_mb = []
     for mb in mbs:
@@ -328,11 +370,17 @@ def build_train_microbatches(trajectories: Sequence, plan: PackPlan, dp_rank: in
                     shared_feats[c] = f
         per_mb.append((feats, lens, order))
     shared = None
-    if shared_ix:  # recompute batches of at most a micro-batch's budget of audio frames (shared_audio.py)
+    if shared_ix:  # batches of at most a micro-batch's budget of audio frames (shared_audio.py)
         max_frames = config.max_tokens_per_microbatch * 2 * n_window // TOKENS_PER_FULL_CHUNK
-        shared = SharedClips([shared_feats[c] for c in range(len(shared_ix))], max_frames=max_frames)
+        feats_C = [shared_feats[c] for c in range(len(shared_ix))]
+        keep_frames = int(keep_shared * max_frames)
+        batches, always = (_pooled_batches(span, [f.shape[-1] for f in feats_C], min(max_frames, keep_frames),
+                                           max_frames)
+                           if pool else (None, ()))
+        shared = SharedClips(feats_C, max_frames=max_frames, keep_frames=keep_frames,
+                             batches=batches, always_keep=always)
         batch_last: dict[int, int] = {}
-        for c, k in last_user.items():
+        for c, (_, k) in span.items():
             b = shared.batch_of[c]
             batch_last[b] = max(k, batch_last.get(b, k))
     for k, (mb, (feats, lens, order)) in enumerate(zip(mbs, per_mb)):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from typing import Optional
 
 import torch
 
@@ -110,8 +111,10 @@ def install(model_chunks) -> int:
     return hooked
 
 
-def _hook(p: torch.nn.Parameter, grad: torch.Tensor):
-    if _paused:
+def _hook(p: torch.nn.Parameter, grad: Optional[torch.Tensor]):
+    # None: a node that only anchors the parameter in the graph gave it no gradient (the pooled
+    # audio clips' _RecomputeTower); its gradient arrives through another backward
+    if _paused or grad is None:
         return None
     accumulate_(p.main_grad, grad)
     p.grad_added_to_main_grad = True

@@ -8,25 +8,34 @@ one rank's pass uses more than once; each is computed as follows:
 * batches: the clips are cut, in first-use order, into batches of at most ``max_frames`` frames
   (a longer clip is a batch of its own); the tower runs on a whole batch in one call, so a pass
   launches its kernels once per batch instead of once per clip;
-* forward: the tower once per batch, without autograd, at the first micro-batch that uses one of
-  its clips (:meth:`SharedClips.embeddings`); every use takes rows of that result;
+* forward: the tower once per batch at the first micro-batch that uses one of its clips
+  (:meth:`SharedClips.embeddings`); every use takes rows of that result. While the batches whose
+  activations are kept hold at most ``keep_frames`` frames, the batch runs with autograd and its
+  graph is *kept*; otherwise it runs without autograd;
 * backward: the uses' gradients accumulate into a float32 leaf per clip (``autograd`` sums a leaf's
   gradient over uses) until the batch's *last user*, the last micro-batch that uses any clip of the
-  batch. There :class:`_RecomputeTower` adds the leaves' gradients to its own, runs the tower again
-  with autograd on the batch (the same call as the first pass, so the same values) and
-  back-propagates the sum (activation recomputation, as megatron's ``CheckpointFunction``), so the
-  tower's parameters get their gradient once per batch, inside a micro-batch's backward
-  (megatron's DDP sees them as any micro-batch's gradient).
+  batch. There :class:`_RecomputeTower` adds the leaves' gradients to its own and back-propagates
+  the sum through the batch's kept graph, or, for a batch run without autograd, through the tower
+  run again with autograd on the batch (the same call as the first pass, so the same values:
+  activation recomputation, as megatron's ``CheckpointFunction``). So the tower's parameters get
+  their gradient once per batch, inside a micro-batch's backward (megatron's DDP sees them as any
+  micro-batch's gradient).
 
-Cost per clip used ``k`` times: two forwards and one backward instead of ``k`` forwards and
-backwards (about 4 forward-units instead of ``3k``), so only clips with ``k >= 2`` belong here;
-memory: one batch's activations at a time (``max_frames``: the callers pass a micro-batch's token
+Cost per clip used ``k`` times, instead of ``k`` forwards and backwards (about ``3k``
+forward-units): kept, one forward and one backward (3 units); recomputed, two forwards and one
+backward (4 units), so a recomputed clip belongs here only with ``k >= 2``. A kept clip used once
+costs what it costs in its micro-batch's own tower call, and the tower runs once per batch instead
+of once per micro-batch: ``engine.batch`` then pools every clip of a rank's step here (the batches
+of the clips one micro-batch alone uses are freed before the next batch runs, so they are always
+kept: ``always_keep``). Memory: the kept batches' activations
+from their first to their last user (at most ``keep_frames`` frames of audio), and one recomputed
+batch's activations at a time in a backward (``max_frames``: the callers pass a micro-batch's token
 budget in frames, so no more than a micro-batch's own audio), plus the clips' embeddings and their
 gradient (``[tokens, out]`` each). The gradient is the eager one up to the order of a sum.
 
 Schedules run every micro-batch's backward in forward order (megatron's no-pipelining and 1F1B
 schedules), so a batch's last user's backward comes after every earlier user's; :meth:`reset`
-before each pass (the weights may have changed) drops the cached embeddings.
+before each pass (the weights may have changed) drops the cached embeddings and kept graphs.
 
 Shape legend: ``M`` mel bins, ``F`` frames, ``N`` audio tokens (tower output rows), ``O`` the
 tower's output width.
@@ -43,29 +52,45 @@ __all__ = ["SharedClips", "ClipUse"]
 
 class SharedClips:
     """Clips (host features ``[M, F_c]`` each) that several samples of one pass use (module doc),
-    cut into batches of at most ``max_frames`` frames (None: one batch)."""
+    cut into batches of at most ``max_frames`` frames (None: one batch) or into ``batches`` as
+    given; a pass with autograd keeps the first pass's graph of the batches in ``always_keep`` and of
+    the others while those hold at most ``keep_frames`` frames."""
 
-    def __init__(self, features_MF: Sequence[torch.Tensor], max_frames: Optional[int] = None):
+    def __init__(self, features_MF: Sequence[torch.Tensor], max_frames: Optional[int] = None,
+                 keep_frames: int = 0, batches: Optional[Sequence[Sequence[int]]] = None,
+                 always_keep: Sequence[int] = ()):
         if not features_MF:
             raise ValueError("SharedClips needs at least one clip")
+        if keep_frames < 0:
+            raise ValueError(f"keep_frames must be >= 0 (0: recompute every batch), got {keep_frames}")
         self.features_MF = list(features_MF)
         self.lens = [int(f.shape[-1]) for f in self.features_MF]
+        self.keep_frames = int(keep_frames)
         self.batches: list[tuple[int, ...]] = []
-        for c, n in enumerate(self.lens):
+        if batches is not None:
+            self.batches = [tuple(int(c) for c in b) for b in batches]
+            if sorted(c for b in self.batches for c in b) != list(range(len(self))) or not all(self.batches):
+                raise ValueError(f"SharedClips batches {self.batches} must hold each of the {len(self)} clips once")
+        for c, n in enumerate(self.lens if batches is None else ()):
             last = self.batches[-1] if self.batches else None
             if last is not None and (max_frames is None or sum(self.lens[j] for j in last) + n <= max_frames):
                 self.batches[-1] = last + (c,)
             else:
                 self.batches.append((c,))
+        self.always_keep = frozenset(int(b) for b in always_keep)
         self.batch_of = {c: b for b, clips in enumerate(self.batches) for c in clips}
-        self._leaf: Optional[list[torch.Tensor]] = None  # [N_c, O] per clip, grad accumulates over uses
+        self.batch_frames = [sum(self.lens[c] for c in clips) for clips in self.batches]
+        self._leaf: dict[int, torch.Tensor] = {}  # clip -> [N_c, O] float32, grad accumulates over uses
+        self._kept: dict[int, list[torch.Tensor]] = {}  # batch -> its tower outputs with their graph
+        self.kept_batches = 0
+        """Batches of the last pass whose first pass was kept for the backward (the rest recomputed)."""
 
     def __len__(self) -> int:
         return len(self.features_MF)
 
     def reset(self) -> None:
-        """Forget the embeddings (a new pass: the weights may have changed)."""
-        self._leaf = None
+        """Forget the embeddings and kept graphs (a new pass: the weights may have changed)."""
+        self._leaf, self._kept, self.kept_batches = {}, {}, 0
 
     def _run(self, tower, b: int) -> list[torch.Tensor]:
         """The tower on batch ``b``: ``[N_c, O]`` per clip (the same call in the first pass and the
@@ -79,38 +104,43 @@ class SharedClips:
         out_NO = tower(feats.to(p.device, p.dtype, non_blocking=True), torch.tensor(lens))
         return list(out_NO.split([int(audio_output_lengths(n, tower.audio.n_window)) for n in lens]))
 
-    def _leaves(self, tower) -> list[torch.Tensor]:
-        """Every clip's tower output, computed at the first use of the pass."""
-        if self._leaf is None:
-            leaf: list = [None] * len(self)
-            with torch.no_grad():  # no activations are kept
-                for b, clips in enumerate(self.batches):
-                    # float32 leaves: the uses' gradients add up as in the fp32 grad buffers
-                    for c, out in zip(clips, self._run(tower, b)):
-                        leaf[c] = out.float().requires_grad_(True)
-            self._leaf = leaf
-        return self._leaf
+    def _leaves(self, tower, wanted: Sequence[int]) -> list[torch.Tensor]:
+        """The tower outputs of clips ``wanted``; a batch runs at the first use of one of its clips in
+        the pass (so a kept graph lives from its batch's first user to its last)."""
+        for b in sorted({self.batch_of[c] for c in wanted if c not in self._leaf}):
+            live = sum(self.batch_frames[k] for k in self._kept if k not in self.always_keep)
+            keep = torch.is_grad_enabled() and (
+                b in self.always_keep or live + self.batch_frames[b] <= self.keep_frames)
+            with torch.set_grad_enabled(keep):  # without: no activations are kept
+                outs = self._run(tower, b)
+            if keep:
+                self._kept[b] = outs
+                self.kept_batches += 1
+            for c, out in zip(self.batches[b], outs):
+                # float32 leaves: the uses' gradients add up as in the fp32 grad buffers
+                self._leaf[c] = out.detach().float().requires_grad_(True)
+        return [self._leaf[c] for c in wanted]
 
     def embeddings(self, tower, wanted: Sequence[int]) -> list[torch.Tensor]:
         """The tower's output ``[N_c, O]`` for clips ``wanted`` (indices into this object): rows of the
-        cached leaves, whose gradient accumulates until their batch's last user recomputes."""
-        leaves = self._leaves(tower)
-        return [leaves[c] for c in wanted]
+        cached leaves, whose gradient accumulates until their batch's last user back-propagates."""
+        return self._leaves(tower, wanted)
 
     def last_use(self, tower, wanted: Sequence[int], batches: Sequence[int]) -> list[torch.Tensor]:
         """As :meth:`embeddings` for clips ``wanted``, in the micro-batch that is the last user of
         ``batches`` (which hold every clip of ``wanted``): its backward sends the gradient of every
-        use of those batches' clips (earlier ones from the leaves) through the recomputed tower."""
+        use of those batches' clips (earlier ones from the leaves) through the tower."""
         if not torch.is_grad_enabled():
             return self.embeddings(tower, wanted)
-        self._leaves(tower)
+        self._leaves(tower, wanted)
         anchor = next(p for p in tower.parameters() if p.requires_grad)
         return list(_RecomputeTower.apply(self, tower, tuple(int(c) for c in wanted),
                                           tuple(int(b) for b in batches), anchor))
 
     def _backward(self, tower, wanted: Sequence[int], batches: Sequence[int],
                   grads: Sequence[Optional[torch.Tensor]]) -> None:
-        """Gradient of every use of the clips of ``batches`` through the tower, one batch at a time."""
+        """Gradient of every use of the clips of ``batches`` through the tower (the kept graph or a
+        recomputation), one batch at a time."""
         mine = dict(zip(wanted, grads))
         for b in batches:
             totals = []
@@ -118,17 +148,19 @@ class SharedClips:
                 leaf, g = self._leaf[c], mine.get(c)
                 totals.append(leaf.grad if g is None else (g if leaf.grad is None else g + leaf.grad))
                 leaf.grad = None
+            outs = self._kept.pop(b, None)
             if all(t is None for t in totals):
                 continue  # no use reached the loss
-            with torch.enable_grad():
-                outs = self._run(tower, b)
+            if outs is None:
+                with torch.enable_grad():
+                    outs = self._run(tower, b)
             torch.autograd.backward([o for o, t in zip(outs, totals) if t is not None],
                                     [t.to(o.dtype) for o, t in zip(outs, totals) if t is not None])
 
 
 class _RecomputeTower(torch.autograd.Function):
     """Forward: the cached embeddings of ``wanted`` (copies, so this node owns them). Backward: their
-    gradient plus the earlier uses' of every clip of ``batches`` through the recomputed tower;
+    gradient plus the earlier uses' of every clip of ``batches`` through the tower (kept or recomputed);
     ``anchor`` (a tower parameter) only puts the node in the graph and gets no gradient from it."""
 
     @staticmethod

@@ -205,9 +205,12 @@ class OmniThinker(MegatronModule):
         # a device read (host sync) unless the caller counted them on the host
         n_tokens = int(is_audio.sum()) if audio_token_count is None else int(audio_token_count)
         if has_audio:
+            # A micro-batch whose clips are all in clip_use and which is no batch's last user runs no
+            # tower here, and needs no dummy clip for invariant 2: the tower's parameters get their
+            # gradient in the last users' backward, a rank's last micro-batch is the last user of
+            # every batch it uses (DDP's grad sync, overlapped or not, sees every tower gradient by
+            # then), and TP ranks hold the same micro-batches (the tower's collectives match).
             audio = self.audio_rows(audio_features, audio_feature_lens, clip_use)  # [n_audio, h]
-            if audio_features is None and not clip_use.last and self.dummy_audio:
-                audio = audio + 0.0 * self._dummy_tower_sum(emb)  # invariant 2: the tower runs here too
             if audio.shape[0] != n_tokens:
                 lens = [] if audio_feature_lens is None else torch.as_tensor(audio_feature_lens).reshape(-1).tolist()
                 shared = "" if clip_use is None else f" and {len(clip_use.order) - clip_use.num_own} shared clip(s)"

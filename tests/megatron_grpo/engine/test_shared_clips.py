@@ -1,8 +1,10 @@
 """A clip several samples share (a GRPO group's recording) goes through the audio tower once per pass
 (``model_bridge/modeling/shared_audio.py``): the step's loss, logprobs and gradients equal those of
 the same trajectories with a copy of the clip per sample, on real gloo ranks with the tiny
-checkpoint in float32, and the tower sees the shared recording twice per step (the first pass and
-the recomputation) instead of once per sample."""
+checkpoint in float32, and the tower sees the shared recording once per step when the first pass's
+graph is kept for the backward, twice (the first pass and the recomputation) when it is not,
+instead of once per sample; pooled (``keep_shared > 0``), every clip goes through the tower in one
+call per batch of micro-batches."""
 from __future__ import annotations
 
 import numpy as np
@@ -67,7 +69,9 @@ def _unshared(trajs: list) -> list:
     return [dataclasses.replace(t, audios=[np.array(w, copy=True) for w in t.audios]) for t in trajs]
 
 
-def _run(hf_dir: str, trajs: list, tp: int) -> dict:
+def _run(hf_dir: str, trajs: list, tp: int, keeps=(1.0, 0.0)) -> dict:
+    """The step of ``trajs`` with the clips shared (one run per ``keep_shared`` of ``keeps``) and
+    with a copy per use (key ``None``)."""
     from megatron.core import parallel_state as ps
 
     from megatron_grpo.engine.batch import build_train_microbatches, featurizer_from_extractor
@@ -99,18 +103,20 @@ def _run(hf_dir: str, trajs: list, tp: int) -> dict:
     cfg = PackLimits(max_tokens_per_microbatch=BUDGET, pad_multiple=tp)
     plan = plan_step([t.num_tokens for t in trajs], ps.get_data_parallel_world_size(), cfg)
     out = {}
-    for share in (True, False):
-        data = trajs if share else _unshared(trajs)
+    for keep in (*keeps, None):
+        data = trajs if keep is not None else _unshared(trajs)
         mbs = build_train_microbatches(data, plan, ps.get_data_parallel_rank(), cfg, featurize=featurize,
-                                       n_window=engine.spec.audio.n_window)
+                                       n_window=engine.spec.audio.n_window, keep_shared=keep or 0.0)
         lps = compute_logprobs(engine.model, mbs, vocab_size=engine.spec.text.vocab_size, chunk_size=64)
         for m in engine.model:
             m.zero_grad_buffer()
         engine.optimizer.zero_grad()
         frames.clear()
         metrics = forward_backward(engine, mbs, step_cfg, force_all_reduce=True)
-        batches = next((m.clip_use.shared.batches for m in mbs if m.clip_use), ())
-        out[share] = dict(loss=metrics["loss"], clips=metrics["audio_clips"], frames=list(frames), batches=batches,
+        shared = next((m.clip_use.shared for m in mbs if m.clip_use), None)
+        out[keep] = dict(loss=metrics["loss"], clips=metrics["audio_clips"], frames=list(frames),
+                          batches=shared.batches if shared else (), kept=shared.kept_batches if shared else 0,
+                          lens=shared.lens if shared else [],
                           logprobs=[r["logprobs_T"] for r in lps], grads=hf_tensors(engine.model, engine.spec, "grad"),
                           uses=[None if m.clip_use is None else (m.clip_use.order, m.clip_use.last) for m in mbs],
                           own=[m.audio_feature_lens.tolist() if m.audio_feature_lens is not None else [] for m in mbs])
@@ -126,51 +132,86 @@ def trajectories(tiny_ckpt):
 @pytest.mark.parametrize("tp", [1, 2])
 def test_shared_recording_runs_the_tower_once_with_the_same_step(tiny_ckpt, trajectories, tp):
     res = run_ranks(_run, tp, str(tiny_ckpt), trajectories, tp, timeout=300, env=CPU_ONLY)[0]
-    shared, alone = res[True], res[False]
-    # the packer spread the group over several micro-batches; the recording is shared clip 0 in each
-    assert len(shared["uses"]) >= 2 and all(u is not None and -1 in u[0] for u in shared["uses"])
-    assert [u[1] for u in shared["uses"]][-1] == (0,) and all(u[1] == () for u in shared["uses"][:-1])
+    alone, pooled, recomputed = res[None], res[1.0], res[0.0]
     assert all(u is None for u in alone["uses"])
-    assert shared["clips"] == alone["clips"] == 2 * GROUP + 1
-    # the tower: the recording twice (first pass + recomputation) instead of GROUP + 1 times
-    assert sum(alone["frames"]) - sum(shared["frames"]) == (GROUP + 1 - 2) * _record_frames(res), \
-        (shared["frames"], alone["frames"])
-    _assert_same_step(res, tp)
+    for shared in (pooled, recomputed):
+        # the packer spread the group over several micro-batches; each of them uses the recording
+        assert len(shared["uses"]) >= 2 and all(u is not None for u in shared["uses"])
+        assert shared["clips"] == alone["clips"] == 2 * GROUP + 1
+    # keep_shared 0: only the recording (shared clip 0) is shared, recomputed in its last user
+    assert all(-1 in u[0] for u in recomputed["uses"])
+    assert [u[1] for u in recomputed["uses"]][-1] == (0,) and all(u[1] == () for u in recomputed["uses"][:-1])
+    assert recomputed["kept"] == 0
+    # keep_shared 1: every clip pooled (no own clips), one tower call per batch, every first pass kept
+    assert all(min(u[0]) < 0 <= -1 - max(u[0]) for u in pooled["uses"])
+    assert len(pooled["frames"]) == len(pooled["batches"]) == pooled["kept"] < len(alone["frames"])
+    assert sorted(b for u in pooled["uses"] for b in u[1]) == list(range(len(pooled["batches"])))
+    # the tower: the recording once (kept) or twice (first pass + recomputation) instead of GROUP + 1
+    # times, each crop once
+    for shared, tower_runs in ((pooled, 1), (recomputed, 2)):
+        assert sum(alone["frames"]) - sum(shared["frames"]) == (GROUP + 1 - tower_runs) * _record_frames(res), \
+            (tower_runs, shared["frames"], alone["frames"])
+    _assert_same_step(pooled, alone, f"tp{tp} pooled")
+    _assert_same_step(recomputed, alone, f"tp{tp} recomputed")
 
 
-def _assert_same_step(res, tp):
-    shared, alone = res[True], res[False]
+def _assert_same_step(shared, alone, name):
     assert abs(shared["loss"] - alone["loss"]) <= 1e-6, (shared["loss"], alone["loss"])
     for a, b in zip(shared["logprobs"], alone["logprobs"]):
         assert (a - b).abs().max().item() <= 1e-5, (a - b).abs().max().item()
     gmax = max(g.abs().max().item() for g in alone["grads"].values())
     worst = max(((shared["grads"][k] - g).abs().max().item(), k) for k, g in alone["grads"].items())
-    print(f"\n[tp{tp}] loss {shared['loss']:.8f} vs {alone['loss']:.8f}; max|dgrad| {worst[0]:.2e} at {worst[1]} "
+    print(f"\n[{name}] loss {shared['loss']:.8f} vs {alone['loss']:.8f}; max|dgrad| {worst[0]:.2e} at {worst[1]} "
           f"(max|grad| {gmax:.2e}); tower frames {sum(shared['frames'])} vs {sum(alone['frames'])}")
     assert worst[0] <= 1e-5 * gmax, worst
     tower = [k for k, g in alone["grads"].items() if k.startswith("thinker.audio_tower.") and g.abs().max() > 0]
     assert tower, "the audio tower got no gradient"
 
 
+# the two recordings' 163 + 121 frames against keep_shared x the budget's 160 x 100 / 13 = 1,230 frames
+KEEP_UNDER, KEEP_OVER = 0.2, 0.25  # keep_frames 246 (< 284: recomputed) and 307 (kept)
+
+
 def test_two_recordings_go_through_the_tower_in_one_batch(tiny_ckpt):
-    """Two groups' recordings fit one recompute batch (the budget's frames): the tower gets both in
-    one call in the first pass and one in the recomputation, in the micro-batch that uses either last,
-    and the step equals the unshared one."""
+    """Two groups' recordings fit one batch (the budget's frames): the tower gets both in one call in
+    the first pass and, when the batch is more than ``keep_shared`` allows to keep, one in the
+    recomputation, in the micro-batch that uses either last; the crops' batches are always kept; the
+    step equals the unshared one."""
     trajs = _data(str(tiny_ckpt), records_s=(1.63, 1.21))  # 163 + 121 frames: no sum of crops (10s of frames)
-    res = run_ranks(_run, 1, str(tiny_ckpt), trajs, 1, timeout=300, env=CPU_ONLY)[0]
-    shared = res[True]
-    assert shared["batches"] == [(0, 1)], shared["batches"]
-    assert shared["frames"].count(163 + 121) == 2, shared["frames"]  # first pass + recomputation
-    lasts = [u[1] for u in shared["uses"] if u is not None]
-    assert lasts.count((0,)) == 1 and all(x in ((), (0,)) for x in lasts), lasts
-    assert lasts.index((0,)) == max(i for i, u in enumerate(shared["uses"]) if u is not None)
-    assert 163 not in shared["frames"] and 121 not in shared["frames"]  # never one recording alone
-    _assert_same_step(res, 1)
+    res = run_ranks(_run, 1, str(tiny_ckpt), trajs, 1, (KEEP_UNDER, KEEP_OVER), timeout=300, env=CPU_ONLY)[0]
+    for keep, tower_runs in ((KEEP_UNDER, 2), (KEEP_OVER, 1)):
+        shared = res[keep]
+        records = [b for b, clips in enumerate(shared["batches"])
+                   if sorted(shared["lens"][c] for c in clips) == [121, 163]]
+        assert len(records) == 1, (shared["batches"], shared["lens"])
+        rb = records[0]
+        assert shared["frames"].count(163 + 121) == tower_runs, (keep, shared["frames"])
+        assert shared["kept"] == len(shared["batches"]) + 1 - tower_runs
+        users = [k for k, u in enumerate(shared["uses"]) if u and any(-1 - c in shared["batches"][rb] for c in u[0])]
+        assert [k for k, u in enumerate(shared["uses"]) if u and rb in u[1]] == [max(users)]
+        assert 163 not in shared["frames"] and 121 not in shared["frames"]  # never one recording alone
+        _assert_same_step(shared, res[None], f"keep {keep}")
 
 
 def _record_frames(res) -> int:
     """Frames of the shared recording: what the unshared run's tower saw beyond the shared run's
     own clips, per use (the two runs have the same crops)."""
-    own = sum(sum(x) for x in res[True]["own"])
-    alone = sum(sum(x) for x in res[False]["own"])
+    own = sum(sum(x) for x in res[0.0]["own"])
+    alone = sum(sum(x) for x in res[None]["own"])
     return (alone - own) // (GROUP + 1)
+
+
+def test_pooled_batches_cut_at_micro_batches_and_keep_the_local_ones():
+    """Clips that one micro-batch alone uses go in batches of whole micro-batches (all kept); the
+    ones several micro-batches use follow in first-use order, cut at ``max_frames``."""
+    from megatron_grpo.engine.batch import _pooled_batches
+
+    # clip -> (first, last) micro-batch; frames per clip
+    span = {0: (0, 0), 1: (0, 3), 2: (0, 0), 3: (1, 1), 4: (2, 2), 5: (2, 2), 6: (2, 4), 7: (3, 3)}
+    lens = [30, 50, 30, 40, 20, 20, 60, 90]
+    batches, keep = _pooled_batches(span, lens, local_frames=100, max_frames=100)
+    # mb 0 (60) + mb 1 (40) = 100; mb 2 (40) alone (+ mb 3's 90 > 100); mb 3; then the wide 50 + 60 > 100
+    assert batches == [[0, 2, 3], [4, 5], [7], [1], [6]], batches
+    assert keep == (0, 1, 2)
+    # a smaller local limit (keep_shared < 1) cuts after every micro-batch, never inside one
+    assert _pooled_batches(span, lens, local_frames=50, max_frames=100)[0] == [[0, 2], [3], [4, 5], [7], [1], [6]]

@@ -615,10 +615,14 @@ def test_build_train_microbatches_layout_and_audio_count_check(tiny_ckpt):
     cfg = PackLimits(max_tokens_per_microbatch=BUDGET, pad_multiple=2)
     plan = plan_step([t.num_tokens for t in trajs], 2, cfg)
     featurize = _featurizer(str(tiny_ckpt))
-    mbs = build_train_microbatches(trajs, plan, 0, cfg, featurize=featurize)
+    pooled = build_train_microbatches(trajs, plan, 0, cfg, featurize=featurize)[0]  # keep_shared 0.5
+    assert pooled.audio_features is None and pooled.clip_use.order == (-1, -2) and pooled.clip_use.last == (0,)
+    assert pooled.clip_use.shared.lens == [f.shape[-1] for f in pooled.clip_use.shared.features_MF]
+    mbs = build_train_microbatches(trajs, plan, 0, cfg, featurize=featurize, keep_shared=0.0)  # clips its own
     assert [m.sample_ids for m in mbs] == [(0,), ()]
     a = mbs[0]
     assert a.has_audio and a.num_clips == 2 and a.audio_features.shape[0] == 128
+    assert torch.equal(a.audio_features, torch.cat(pooled.clip_use.shared.features_MF, dim=1))
     assert int(a.audio_feature_lens.sum()) == a.audio_features.shape[1]
     assert torch.equal(a.rollout_logprobs_T[:220], -torch.tensor(trajs[0].loss_mask_T, dtype=torch.float32))
     assert (a.advantages_T[:220] == trajs[0].advantage).all() and a.advantages_T[220:].eq(0).all()
