@@ -267,8 +267,8 @@ def _pooled_batches(span: dict[int, tuple[int, int]], lens: Sequence[int], local
     batch holds at most ``local_frames`` frames; each such batch is freed by the backward of its last
     micro-batch, before the next one runs, so all of them keep their first pass
     (``always_keep``). The clips that several micro-batches use go, in first-use order, in batches
-    of at most ``max_frames`` frames, kept within ``keep_frames`` (they may live across many
-    micro-batches)."""
+    of at most ``max_frames`` frames, which :class:`SharedClips` keeps only within its
+    ``keep_frames`` (they may live across many micro-batches)."""
     local, wide = [], []
     for c in range(len(lens)):
         (local if span[c][0] == span[c][1] else wide).append(c)
