@@ -72,7 +72,10 @@ class TrainBench:
 
     # ---- the training phase -------------------------------------------------------------------
 
-    def _build(self, plan, feat_s: list, keep_shared=None):
+    def _build(self, plan, feat_s: list | None, keep_shared=None):
+        """The step's micro-batches; with ``feat_s``, featurising is timed into ``feat_s[0]`` (with a
+        sync after the device featurizer's kernels); without it, it runs as in ``mgrpo train``: the
+        featurizer's kernels overlap the host's packing."""
         from megatron_grpo.engine.batch import build_train_microbatches
 
         def timed(waves):
@@ -83,7 +86,8 @@ class TrainBench:
             feat_s[0] += time.perf_counter() - t
             return out
 
-        return build_train_microbatches(self.trajs, plan, 0, self.packing, featurize=timed,
+        return build_train_microbatches(self.trajs, plan, 0, self.packing,
+                                        featurize=self.featurize if feat_s is None else timed,
                                         n_window=self.engine.spec.audio.n_window, share_clips=self.shared_clips,
                                         keep_shared=self.keep_shared if keep_shared is None else keep_shared)
 
@@ -98,7 +102,7 @@ class TrainBench:
         _sync(self.device)
         t0 = time.perf_counter()
         plan = plan_step(self.lengths, 1, self.packing)
-        mbs = self._build(plan, [0.0], keep_shared)
+        mbs = self._build(plan, None, keep_shared)
         check_schedule(StepSchedule.from_microbatches(self.step_no, mbs))
         m = train_step(self.engine, mbs, self.cfg, step=self.step_no)
         _sync(self.device)

@@ -263,3 +263,26 @@ def test_equalize_without_process_group_is_local():
     assert equalize_microbatch_counts(4) == 4
     with pytest.raises(ValueError):
         equalize_microbatch_counts(-1)
+
+
+def test_lists_convert_exactly_as_numpy_does_and_odd_values_take_numpys_path():
+    """``as_1d``'s one-pass list conversion (the rollout's lists) gives numpy's values and dtypes;
+    values it cannot take (floats among ids, masks outside 0-255, numpy scalars) go through numpy."""
+    from megatron_grpo.packing import as_1d
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 2**40, 5000).tolist() + [-(2**63), 2**63 - 1]
+    mask = rng.integers(0, 2, 5000).tolist()
+    lp = (-np.abs(rng.normal(size=5000))).tolist() + [0.0, -1e-45, -3.4e38, 1e-320]
+    cases = [(ids, torch.int64, np.int64), (mask, torch.bool, np.bool_), (lp, torch.float32, np.float32),
+             ([True, False, True], torch.int64, np.int64), ([0, 1, 2, -1, 300], torch.bool, np.bool_),
+             ([1.0, 2.0], torch.int64, np.int64), ([0, -1, 3], torch.float32, np.float32),
+             ([np.int64(7), np.int64(-2)], torch.int64, np.int64), ([], torch.float32, np.float32),
+             ([], torch.bool, np.bool_)]
+    for values, dtype, np_dtype in cases:
+        got = as_1d(values, dtype)
+        want = torch.from_numpy(np.asarray(values, dtype=np_dtype)).to(dtype)
+        assert got.dtype == dtype and got.shape == want.shape, (values[:3], dtype)
+        assert torch.equal(got, want), (values[:3], dtype)
+    with pytest.raises(ValueError, match="input ids of sample 3 must be 1-D"):
+        as_1d([[1, 2], [3, 4]], torch.int64, "input ids of sample 3")
