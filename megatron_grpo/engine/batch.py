@@ -34,7 +34,7 @@ import torch
 from megatron_grpo.packing import (MicroBatch, PackLimits, PackPlan, as_1d, build_rank_microbatches,
                                    pack_per_token, to_device)
 from model_bridge.modeling.audio import TOKENS_PER_FULL_CHUNK
-from model_bridge.modeling.shared_audio import ClipUse, SharedClips
+from model_bridge.modeling.shared_audio import ClipUse, SharedClips, frame_batches
 
 __all__ = ["TrainMicroBatch", "Featurizer", "build_train_microbatches", "featurizer_from_extractor",
            "padding_summary", "reset_shared_clips"]
@@ -280,14 +280,8 @@ def _pooled_batches(span: dict[int, tuple[int, int]], lens: Sequence[int], local
             last.append(c)
         else:
             batches.append([c])
-    keep = range(len(batches))
-    for c in wide:
-        last = batches[-1] if len(batches) > len(keep) else None
-        if last is not None and sum(lens[j] for j in last) + lens[c] <= max_frames:
-            last.append(c)
-        else:
-            batches.append([c])
-    return batches, tuple(keep)
+    keep = tuple(range(len(batches)))
+    return batches + frame_batches(wide, lens, max_frames), keep
 
 
 def reset_shared_clips(microbatches: Sequence["TrainMicroBatch"]) -> None:

@@ -47,7 +47,22 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["SharedClips", "ClipUse"]
+__all__ = ["SharedClips", "ClipUse", "frame_batches"]
+
+
+def frame_batches(clips: Sequence[int], lens: Sequence[int], max_frames: Optional[int]) -> list[list[int]]:
+    """``clips`` (indices into ``lens``, frames per clip) in their order, cut greedily into batches
+    of at most ``max_frames`` frames (None: one batch); a clip longer than that is a batch alone."""
+    batches: list[list[int]] = []
+    frames = 0
+    for c in clips:
+        if batches and (max_frames is None or frames + lens[c] <= max_frames):
+            batches[-1].append(c)
+            frames += lens[c]
+        else:
+            batches.append([c])
+            frames = lens[c]
+    return batches
 
 
 class SharedClips:
@@ -71,12 +86,8 @@ class SharedClips:
             self.batches = [tuple(int(c) for c in b) for b in batches]
             if sorted(c for b in self.batches for c in b) != list(range(len(self))) or not all(self.batches):
                 raise ValueError(f"SharedClips batches {self.batches} must hold each of the {len(self)} clips once")
-        for c, n in enumerate(self.lens if batches is None else ()):
-            last = self.batches[-1] if self.batches else None
-            if last is not None and (max_frames is None or sum(self.lens[j] for j in last) + n <= max_frames):
-                self.batches[-1] = last + (c,)
-            else:
-                self.batches.append((c,))
+        else:
+            self.batches = [tuple(b) for b in frame_batches(range(len(self.lens)), self.lens, max_frames)]
         self.always_keep = frozenset(int(b) for b in always_keep)
         self.batch_of = {c: b for b, clips in enumerate(self.batches) for c in clips}
         self.batch_frames = [sum(self.lens[c] for c in clips) for clips in self.batches]
