@@ -199,19 +199,3 @@ def _record_frames(res) -> int:
     own = sum(sum(x) for x in res[0.0]["own"])
     alone = sum(sum(x) for x in res[None]["own"])
     return (alone - own) // (GROUP + 1)
-
-
-def test_pooled_batches_cut_at_micro_batches_and_keep_the_local_ones():
-    """Clips that one micro-batch alone uses go in batches of whole micro-batches (all kept); the
-    ones several micro-batches use follow in first-use order, cut at ``max_frames``."""
-    from megatron_grpo.engine.batch import _pooled_batches
-
-    # clip -> (first, last) micro-batch; frames per clip
-    span = {0: (0, 0), 1: (0, 3), 2: (0, 0), 3: (1, 1), 4: (2, 2), 5: (2, 2), 6: (2, 4), 7: (3, 3)}
-    lens = [30, 50, 30, 40, 20, 20, 60, 90]
-    batches, keep = _pooled_batches(span, lens, local_frames=100, max_frames=100)
-    # mb 0 (60) + mb 1 (40) = 100; mb 2 (40) alone (+ mb 3's 90 > 100); mb 3; then the wide 50 + 60 > 100
-    assert batches == [[0, 2, 3], [4, 5], [7], [1], [6]], batches
-    assert keep == (0, 1, 2)
-    # a smaller local limit (keep_shared < 1) cuts after every micro-batch, never inside one
-    assert _pooled_batches(span, lens, local_frames=50, max_frames=100)[0] == [[0, 2], [3], [4, 5], [7], [1], [6]]
