@@ -17,6 +17,11 @@ import torch
 from model_bridge.spawn import run_ranks
 
 TOL = 1e-5
+GRAD_ABS_TOL = 3e-5
+"""Absolute gradient difference allowed. The first conv's weight gradient sums over every output
+position of the clips (~1.8 in magnitude for the 15.5 s set), so fp32 summation-order rounding
+between the two implementations reaches ~1.3e-5 there (transformers 5.19.0); each tensor is also
+held to ``TOL`` relative to its own scale (``grad_rel``)."""
 CLIPS = {
     "one_3s": [300],
     "multi_0.5s_3s_12s": [50, 300, 1200],
@@ -242,7 +247,7 @@ def _check_close(r):
     assert r["n_tokens"] == r["expected_tokens"]
     assert r["pos_diff"] == 0.0
     assert r["out_diff"] < TOL, r
-    assert r["grad_diff"] < TOL, (r["worst_grad"], r["grad_diff"])
+    assert r["grad_diff"] < GRAD_ABS_TOL, (r["worst_grad"], r["grad_diff"])
     assert r["grad_rel"] < TOL, (r["worst_rel"], r["grad_rel"])  # each tensor against its own scale
     assert not r["sp_tagged"], r["sp_tagged"]
 
