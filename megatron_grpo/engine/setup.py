@@ -28,7 +28,7 @@ import torch
 
 from model_bridge.config import OmniSpec, ParallelLayout
 
-from . import grad_accum
+from . import fused_adamw, grad_accum
 from .nonfinite import NonFiniteSkips
 
 __all__ = ["OptimConfig", "Engine", "build_model", "build_optimizer", "build_scheduler", "build_engine",
@@ -241,6 +241,7 @@ def build_optimizer(model: list, optim: OptimConfig, dtype: torch.dtype):
         overlap_param_gather=optim.overlap_param_gather)
     optimizer = get_megatron_optimizer(cfg, model)
     use_fused_torch_adam(optimizer)
+    fused_adamw.install(optimizer)  # AdamW + the bf16 weight write in one pass (CUDA)
     config = unwrapped(model[0]).config
     config.grad_scale_func = optimizer.scale_loss
     return optimizer, build_scheduler(optimizer, optim)

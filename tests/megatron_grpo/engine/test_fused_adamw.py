@@ -1,0 +1,162 @@
+"""AdamW with the bf16 weight write in one Triton pass (``engine/fused_adamw.py``): the update of
+torch's AdamW, the bf16 weights exactly the master weights rounded, megatron's copy for the rest,
+through a real engine's steps and a checkpoint resume (CPU through Triton's interpreter, and on the
+GPU)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_bridge.spawn import run_ranks
+
+INTERPRET = {"TRITON_INTERPRET": "1", "MGRPO_TRITON_GLU_CPU": "1"}
+MIXED = {"MGRPO_FUSED_ADAMW_MIN_NUMEL": "2048"}
+"""The tiny model's parameters are all below the default size for the kernel: the larger ones go
+through it, the norms and biases through torch's fused AdamW, as a full-width model's would."""
+
+
+def _kernel_rank() -> dict:
+    from megatron_grpo.engine.fused_adamw import adamw_
+
+    res = {"ulps": 0.0, "moments_rel": 0.0, "out_equal": True}
+    g = torch.Generator().manual_seed(0)
+    hyper = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for n in (1, 2047, 2049, 5000):  # around the kernel's block
+        p0 = torch.randn(n, generator=g)
+        ref = torch.nn.Parameter(p0.clone())
+        opt = torch.optim.AdamW([ref], foreach=False, **hyper)
+        p, m, v, out = p0.clone(), torch.zeros(n), torch.zeros(n), torch.empty(n, dtype=torch.bfloat16)
+        for step in (1, 2, 3):
+            grad = torch.randn(n, generator=g) * 1e-2
+            if opt.state[ref]:  # each step from the same state, so the error is one step's
+                ref.data.copy_(p)
+                opt.state[ref]["exp_avg"].copy_(m)
+                opt.state[ref]["exp_avg_sq"].copy_(v)
+            ref.grad = grad.clone()
+            before = ref.detach().clone()
+            opt.step()
+            adamw_(p, grad, m, v, step, lr=hyper["lr"], beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, out=out)
+            want = ref.detach()
+            # the update rounds at its own scale, the sum at the weight's: a unit in the last place of each
+            ulp = lambda x: torch.nextafter(x.abs(), torch.tensor(float("inf"))) - x.abs()  # noqa: E731
+            res["ulps"] = max(res["ulps"], float(((p - want).abs() / (ulp(want) + ulp(want - before))).max()))
+            st = opt.state[ref]
+            res["moments_rel"] = max(res["moments_rel"],
+                                     float((m - st["exp_avg"]).abs().max() / st["exp_avg"].abs().max()),
+                                     float((v - st["exp_avg_sq"]).abs().max() / st["exp_avg_sq"].abs().max()))
+            res["out_equal"] &= torch.equal(out, p.to(torch.bfloat16))
+    errors = []
+    for bad in (dict(grad=torch.zeros(3, dtype=torch.bfloat16)), dict(param=torch.zeros(4, dtype=torch.bfloat16))):
+        args = dict(param=torch.zeros(4), grad=torch.zeros(4), exp_avg=torch.zeros(4), exp_avg_sq=torch.zeros(4),
+                    step=1)
+        args.update(bad)
+        try:
+            adamw_(**args, lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0)
+        except ValueError as e:
+            errors.append(str(e))
+    res["errors"] = errors
+    return res
+
+
+def test_kernel_matches_torch_adamw_through_the_interpreter():
+    res = run_ranks(_kernel_rank, 1, env=INTERPRET)[0]
+    assert res.pop("errors") == [
+        "grad must be a contiguous float32 tensor of the param's shape (4,), got torch.bfloat16 (3,)",
+        "param must be a contiguous float32 tensor, got torch.bfloat16"]
+    # fp32 rounding apart
+    assert res["ulps"] <= 2 and res["moments_rel"] < 1e-6 and res["out_equal"], res
+
+
+def _masters(engine) -> list[torch.Tensor]:
+    from megatron_grpo.engine.ckpt_adam import inner_optimizers
+
+    return [p.detach().float().clone() for sub in inner_optimizers(engine.optimizer)
+            for g in sub.optimizer.param_groups for p in g["params"]]
+
+
+def _weights(engine) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in engine.model[0].parameters()]
+
+
+def _engine_rank(hf_dir: str, run_dir: str) -> dict:
+    from megatron_grpo.engine import fused_adamw
+    from megatron_grpo.engine.checkpoint import load_checkpoint, save_checkpoint
+    from megatron_grpo.engine.setup import build_engine
+    from megatron_grpo.engine.step import StepConfig, train_step
+    from model_bridge.config import ParallelLayout
+    from model_bridge.parallel import init_parallel
+
+    from test_graphs import _microbatches  # the same tiny trajectories and featurizer
+
+    init_parallel(seed=1234)
+    fused, ref = (build_engine(hf_dir, ParallelLayout(), dtype=torch.bfloat16) for _ in range(2))
+    res = {"installed": fused_adamw.install(fused.optimizer),  # 0: build_engine already installed it
+           "kernel_shards": sum(p.numel() >= fused_adamw.MIN_NUMEL for p in _masters(fused)),
+           "torch_shards": sum(0 < p.numel() < fused_adamw.MIN_NUMEL for p in _masters(fused)),
+           "uninstalled": fused_adamw.uninstall(ref.optimizer)}
+    res["reinstalled"] = fused_adamw.install(fused.optimizer)
+    mbs = _microbatches(fused, hf_dir, 512)
+    cfg = StepConfig()
+    start = _masters(fused)
+    for e in (fused, ref):  # step 1: the same gradients, so only the kernels' rounding differs
+        train_step(e, mbs, cfg, step=1)
+    a, b = _masters(fused), _masters(ref)
+    res["update_rel"] = max(float(((x - s) - (y - s)).norm() / (y - s).norm().clamp_min(1e-30))
+                            for x, y, s in zip(a, b, start))
+    res["update_norm"] = max(float((y - s).norm()) for y, s in zip(b, start))
+    # the model's bf16 weights are the master weights rounded, written by the kernel
+    res["weights_are_masters"] = _weights_equal_masters(fused)
+    train_step(fused, mbs, cfg, step=2)
+    res["weights_are_masters_2"] = _weights_equal_masters(fused)
+    save_checkpoint(run_dir, 2, fused.model, fused.optimizer, fused.scheduler)
+    resumed = build_engine(hf_dir, ParallelLayout(), dtype=torch.bfloat16)
+    res["loaded_step"] = load_checkpoint(run_dir, resumed.model, resumed.optimizer, resumed.scheduler)[0]
+    res["loaded_weights_equal"] = all(torch.equal(x, y) for x, y in zip(_weights(fused), _weights(resumed)))
+    for e in (fused, resumed):
+        train_step(e, mbs, cfg, step=3)
+    res["resume_equal"] = all(torch.equal(x, y) for x, y in zip(_masters(fused), _masters(resumed))) \
+        and all(torch.equal(x, y) for x, y in zip(_weights(fused), _weights(resumed)))
+    return res
+
+
+def _weights_equal_masters(engine) -> bool:
+    from megatron_grpo.engine.ckpt_adam import inner_optimizers
+
+    subs = inner_optimizers(engine.optimizer)
+    for sub in subs:
+        for shard_group, model_group in zip(sub.shard_fp32_from_float16_groups, sub.model_float16_groups):
+            for main, model_param in zip(shard_group, model_group):
+                if not torch.equal(model_param.detach().view(-1), main.to(model_param.dtype)):
+                    return False
+    return bool(subs)
+
+
+def _check(res):
+    assert res["installed"] == 0 and res["reinstalled"] == 0, res  # build_engine installs it, once
+    assert res["uninstalled"] == 1 and res["kernel_shards"] > 10 and res["torch_shards"] > 10, res
+    assert res["weights_are_masters"] and res["weights_are_masters_2"], res
+    assert res["loaded_step"] == 2 and res["loaded_weights_equal"] and res["resume_equal"], res
+    # one step from equal gradients against torch's AdamW: fp32 rounding apart
+    assert res["update_norm"] > 0 and res["update_rel"] < 1e-4, res
+
+
+@pytest.mark.slow
+def test_engine_steps_match_torch_adamw_and_resume_on_cpu(tiny_ckpt, tmp_path):
+    res = run_ranks(_engine_rank, 1, str(tiny_ckpt), str(tmp_path / "run"), env={**INTERPRET, **MIXED},
+                    timeout=900)[0]
+    _check(res)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_engine_steps_match_torch_adamw_and_resume_on_gpu(tiny_ckpt, tmp_path):
+    _check(run_ranks(_engine_rank, 1, str(tiny_ckpt), str(tmp_path / "run"), env=MIXED, timeout=900)[0])
+
+
+def test_cpu_parameters_keep_torch_adamw():
+    from megatron_grpo.engine.fused_adamw import install
+
+    class Sub:  # the shape of megatron's optimizer wrapper: the torch optimizer under .optimizer
+        optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))], lr=1e-3)
+
+    assert install(Sub()) == 0 and "step" not in vars(Sub.optimizer)
