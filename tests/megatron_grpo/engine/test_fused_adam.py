@@ -8,12 +8,30 @@ import torch
 
 from model_bridge.spawn import run_ranks
 
+MAX_ULPS = 4
+"""Two AdamW kernels' updated weights may differ by this many units in the last place
+(:func:`update_ulps`): the moments, the square root and the division each round once, in
+whatever order a kernel computes them."""
+
 
 def _masters(engine) -> list[torch.Tensor]:
     from megatron_grpo.engine.ckpt_adam import inner_optimizers
 
     return [p.detach().float().clone() for sub in inner_optimizers(engine.optimizer)
             for g in sub.optimizer.param_groups for p in g["params"]]
+
+
+def update_ulps(after_a, after_b, start) -> float:
+    """The largest difference between two optimizers' master weights after one step from ``start``,
+    in units in the last place of the weight plus those of its update: each kernel rounds the update
+    at its own scale and the sum at the weight's. A relative norm of the two updates would measure
+    the weights' rounding instead: at a small learning rate one unit in the last place of the weight
+    is a large part of the update (a 0.02 weight: 1.9e-9 against an update of ~1e-6)."""
+    worst = 0.0
+    for x, y, s in zip(after_a, after_b, start):
+        ulp = lambda t: torch.nextafter(t.abs(), torch.full_like(t, float("inf"))) - t.abs()  # noqa: E731
+        worst = max(worst, float(((x - y).abs() / (ulp(y) + ulp(y - s))).max()) if y.numel() else 0.0)
+    return worst
 
 
 def _fused_vs_foreach_rank(hf_dir: str, run_dir: str) -> dict:
@@ -38,8 +56,7 @@ def _fused_vs_foreach_rank(hf_dir: str, run_dir: str) -> dict:
     for e in (fused, foreach):  # step 1: the same gradients, so only the kernels' rounding differs
         train_step(e, mbs, cfg, step=1)
     a, b = _masters(fused), _masters(foreach)
-    res["update_rel"] = max(float(((x - s) - (y - s)).norm() / (y - s).norm().clamp_min(1e-30))
-                            for x, y, s in zip(a, b, start))
+    res["update_ulps"] = update_ulps(a, b, start)
     res["update_norm"] = max(float((y - s).norm()) for y, s in zip(b, start))
     train_step(fused, mbs, cfg, step=2)
     res["step_devices"] = sorted({str(st["step"].device) for s in inner_optimizers(fused.optimizer)
@@ -61,11 +78,9 @@ def test_fused_adam_matches_foreach_and_resumes_bit_identically(tiny_ckpt, tmp_p
     assert res["fused_flags"] and all(res["fused_flags"]), res
     assert res["step_devices"] == ["cuda:0"], res
     assert res["loaded_step"] == 2 and res["resume_equal"], res
-    # one step from equal gradients: the kernels' fp32 rounding apart (1.8e-5 on the H200; Adam's
-    # first step divides each gradient by its own magnitude, so small coordinates keep their
-    # relative rounding). Later steps differ by more: a bf16 weight that rounds the other way
-    # changes the next gradient, as with any two kernels.
-    assert res["update_norm"] > 0 and res["update_rel"] < 1e-4, res
+    # one step from equal gradients: the kernels' fp32 rounding apart. Later steps differ by more: a
+    # bf16 weight that rounds the other way changes the next gradient, as with any two kernels.
+    assert res["update_norm"] > 0 and res["update_ulps"] <= MAX_ULPS, res
 
 
 def test_cpu_parameters_keep_the_foreach_kernels():
