@@ -9,7 +9,7 @@ import torch
 
 from model_bridge.spawn import run_ranks
 
-from test_fused_adam import MAX_ULPS, update_ulps
+from test_fused_adam import MAX_ULPS, ulp, update_ulps
 
 INTERPRET = {"TRITON_INTERPRET": "1", "MGRPO_TRITON_GLU_CPU": "1"}
 MIXED = {"MGRPO_FUSED_ADAMW_MIN_NUMEL": "2048"}
@@ -46,7 +46,6 @@ def _kernel_rank(device: str = "cpu") -> dict:
                 adamw_(p, grad, m, v, step, lr=lr, beta1=0.9, beta2=beta2, eps=1e-8, weight_decay=0.1, out=out)
                 want = ref.detach()
                 # the update rounds at its own scale, the sum at the weight's: a unit in the last place of each
-                ulp = lambda x: torch.nextafter(x.abs(), torch.full_like(x, float("inf"))) - x.abs()  # noqa: E731
                 res["ulps"] = max(res["ulps"], float(((p - want).abs() / (ulp(want) + ulp(want - before))).max()))
                 st = opt.state[ref]
                 res["moments_rel"] = max(res["moments_rel"],
