@@ -333,18 +333,20 @@ def _from_list(x: list, dtype: torch.dtype) -> Optional[torch.Tensor]:
     ~190,000 tokens, each with an id, a mask bit and a logprob). None where the values do not
     fit that pass (a float among ids, a mask value outside 0-255): the caller then converts them
     through numpy, which gives the error or the cast."""
+    if dtype not in (torch.bool, torch.int64, torch.float32):
+        return None
+    if not x:  # torch.frombuffer refuses an empty buffer
+        return torch.zeros(0, dtype=dtype)
     try:
         if dtype == torch.bool:
-            return torch.frombuffer(bytearray(x), dtype=torch.uint8).bool() if x else torch.zeros(0, dtype=dtype)
-        if dtype in (torch.int64, torch.float32) and x:
-            buf = bytearray(8 * len(x))  # writable, so torch.frombuffer does not warn
-            fmt = "q" if dtype == torch.int64 else "d"  # doubles: Python floats as they are, then rounded once
-            struct.pack_into(f"<{len(x)}{fmt}", buf, 0, *x)
-            t = torch.frombuffer(buf, dtype=torch.int64 if fmt == "q" else torch.float64)
-            return t if fmt == "q" else t.to(torch.float32)
+            return torch.frombuffer(bytearray(x), dtype=torch.uint8).bool()
+        buf = bytearray(8 * len(x))  # writable, so torch.frombuffer does not warn
+        fmt = "q" if dtype == torch.int64 else "d"  # doubles: Python floats as they are, then rounded once
+        struct.pack_into(f"<{len(x)}{fmt}", buf, 0, *x)
+        t = torch.frombuffer(buf, dtype=torch.int64 if fmt == "q" else torch.float64)
+        return t if fmt == "q" else t.to(torch.float32)
     except (TypeError, ValueError, OverflowError, struct.error):
         return None
-    return None
 
 
 def as_1d(x: TokenSeq, dtype: torch.dtype, what: str = "values") -> torch.Tensor:

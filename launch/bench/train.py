@@ -10,8 +10,9 @@ turns with 5-30 s clips, real 16 kHz waveforms), packed with ``--mb-tokens`` (de
 trainer's default: the budget ``packing.max_tokens_per_microbatch: auto`` picks on this engine,
 4,096 on CPU; or a number). Default ``StepConfig`` (fused LM-head logprob, GRPO loss, on-policy),
 default ``OptimConfig`` (Adam, clip_grad 1.0), the trainer's featurizer (on the GPU:
-``data/device_features.py``; ``--host-features`` for the host extractor) and the trainer's CUDA
-graphs for the micro-batches' decoder stacks (``engine/graphs.py``; ``--no-cuda-graphs``: eager).
+``data/device_features.py``; ``--host-features`` for the host extractor), eager micro-batches as
+``trainer.cuda_graphs``' default (``--cuda-graphs``: the trainer's CUDA graphs for the micro-batches'
+decoder stacks, ``engine/graphs.py``).
 The side systems below run eagerly.
 
 Systems (``_train_systems``), run in turns, round by round (``--warmup`` untimed rounds, then
@@ -59,7 +60,7 @@ SYSTEMS = ("train", "train_recompute", "train_split", "stack", "stack_lm", "audi
 def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16, mb_tokens: int | str = "auto",
               systems=SYSTEMS, warmup: int = 1, iters: int = 3, seed: int = 0, tiny: bool = False,
               device: str | None = None, work_dir=None, host_features: bool = False, hf_dir=None,
-              cuda_graphs: bool = True, shared_clips: bool = True, keep_shared: float = 0.5, profile=()) -> dict:
+              cuda_graphs: bool = False, shared_clips: bool = True, keep_shared: float = 0.5, profile=()) -> dict:
     """Run the benchmark (module docstring); write ``bench_train.json`` / ``.png`` under ``out_dir``."""
     import torch
 
@@ -253,7 +254,7 @@ def _print_table(res: dict) -> None:
     print(f"\n== bench train: {res['tokens_real']} tokens, {len(res['micro_batches'])} micro-batches, "
           f"{res['audio_clips']} clips ({res['audio_seconds']:.0f} s of audio), {res['device']}, "
           f"features on the {res['featurizer']}, cuda graphs "
-          f"{res['graph_buckets'] if res['cuda_graphs'] else 'off: ' + str(res['cuda_graphs_fallback'])}")
+          f"{res['graph_buckets'] if res['cuda_graphs'] else _graphs_off(res['cuda_graphs_fallback'])}")
     for n, v in s.items():
         t = v.get("phase_s_median", v.get("step_s_median"))
         print(f"  {n:12s} {t * 1e3:10.1f} ms  {v.get('tok_per_s', 0):12.0f} tok/s")
@@ -303,10 +304,14 @@ def _cmd(args: argparse.Namespace) -> int:
     run_bench(args.out, layers=args.layers, audio_layers=args.audio_layers, samples=args.samples,
               mb_tokens=args.mb_tokens, systems=systems, warmup=args.warmup, iters=args.iters, seed=args.seed,
               tiny=args.tiny, device=args.device, work_dir=args.work_dir, host_features=args.host_features,
-              hf_dir=args.hf_dir, cuda_graphs=not args.no_cuda_graphs, shared_clips=not args.no_shared_clips,
+              hf_dir=args.hf_dir, cuda_graphs=args.cuda_graphs, shared_clips=not args.no_shared_clips,
               keep_shared=args.shared_keep,
               profile=[x for x in args.profile.split(",") if x])
     return 0
+
+
+def _graphs_off(reason) -> str:
+    return f"off: {reason}" if reason else "off (--cuda-graphs turns them on)"
 
 
 def _budget(text: str) -> int | str:
@@ -339,13 +344,15 @@ def add_parser(bsub) -> argparse.ArgumentParser:
     s.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     s.add_argument("--host-features", action="store_true",
                    help="featurise on the host (the Whisper extractor) instead of on the device")
-    s.add_argument("--no-cuda-graphs", action="store_true",
-                   help="train eagerly; the bench replays CUDA graphs on GPU by default (mgrpo train: trainer.cuda_graphs, off by default)")
+    s.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=False,
+                   help="replay the micro-batches' decoder stacks from CUDA graphs (trainer.cuda_graphs=true); "
+                        "default off, as mgrpo train's default")
     s.add_argument("--no-shared-clips", action="store_true",
                    help="run a group's shared recording through the audio tower once per sample (trainer.shared_clips: false)")
     s.add_argument("--shared-keep", type=float, default=0.5,
-                   help="trainer.shared_clips_keep of the train systems (default 1: keep the shared recordings' "
-                        "first pass for the backward, up to a micro-batch budget of audio; 0: recompute them)")
+                   help="trainer.shared_clips_keep of the train systems (default 0.5, the trainer's: keep the "
+                        "recordings' first pass for the backward, up to half a micro-batch budget of audio; "
+                        "0: recompute them)")
     s.add_argument("--profile", default="", help="comma-separated systems to run once more under torch.profiler "
                                                  "after the timed rounds: their top kernels into profile_NAME.txt and the JSON")
     s.add_argument("--hf-dir", default=None, help="train this checkpoint instead of generating one (--tiny: its "

@@ -52,7 +52,7 @@ def _check(res):
 
 
 def test_bench_train_tiny_cpu(tmp_path, tiny_ckpt):
-    res, out = _run(tmp_path, tiny_ckpt, "--device", "cpu", "--profile", "audio")
+    res, out = _run(tmp_path, tiny_ckpt, "--device", "cpu", "--profile", "audio", "--cuda-graphs")
     _check(res)
     assert res["featurizer"] == "host" and res["device"] == "cpu"
     prof = res["profiles"]["audio"]
@@ -67,7 +67,7 @@ def test_bench_train_tiny_cpu(tmp_path, tiny_ckpt):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bench_train_tiny_gpu(tmp_path, tiny_ckpt):
-    res, _ = _run(tmp_path, tiny_ckpt, "--profile", "audio")
+    res, _ = _run(tmp_path, tiny_ckpt, "--profile", "audio", "--cuda-graphs")
     _check(res)
     prof = res["profiles"]["audio"]
     assert any("conv" in r["name"].lower() for r in prof["device"]) and prof["host"], prof
