@@ -38,6 +38,20 @@ def update_ulps(after_a, after_b, start) -> float:
     return worst
 
 
+def first_step_apart(first, second, mbs, cfg) -> dict:
+    """Step 1 of two engines built alike on ``mbs`` (the same gradients, so only their optimizers'
+    rounding differs): ``update_ulps`` (:func:`update_ulps`) and ``update_norm``, the largest of
+    ``second``'s updates."""
+    from megatron_grpo.engine.step import train_step
+
+    start = _masters(first)
+    for e in (first, second):
+        train_step(e, mbs, cfg, step=1)
+    a, b = _masters(first), _masters(second)
+    return {"update_ulps": update_ulps(a, b, start),
+            "update_norm": max(float((y - s).norm()) for y, s in zip(b, start))}
+
+
 def _fused_vs_foreach_rank(hf_dir: str, run_dir: str) -> dict:
     from megatron_grpo.engine.checkpoint import load_checkpoint, save_checkpoint
     from megatron_grpo.engine.ckpt_adam import inner_optimizers
@@ -56,12 +70,7 @@ def _fused_vs_foreach_rank(hf_dir: str, run_dir: str) -> dict:
         g["fused"], g["foreach"] = False, True
     mbs = _microbatches(fused, hf_dir, 512)
     cfg = StepConfig()
-    start = _masters(fused)
-    for e in (fused, foreach):  # step 1: the same gradients, so only the kernels' rounding differs
-        train_step(e, mbs, cfg, step=1)
-    a, b = _masters(fused), _masters(foreach)
-    res["update_ulps"] = update_ulps(a, b, start)
-    res["update_norm"] = max(float((y - s).norm()) for y, s in zip(b, start))
+    res.update(first_step_apart(fused, foreach, mbs, cfg))
     train_step(fused, mbs, cfg, step=2)
     res["step_devices"] = sorted({str(st["step"].device) for s in inner_optimizers(fused.optimizer)
                                   for st in s.optimizer.state.values()})

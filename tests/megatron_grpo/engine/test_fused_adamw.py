@@ -9,7 +9,7 @@ import torch
 
 from model_bridge.spawn import run_ranks
 
-from test_fused_adam import MAX_ULPS, ulp, update_ulps
+from test_fused_adam import MAX_ULPS, _masters, first_step_apart, ulp
 
 INTERPRET = {"TRITON_INTERPRET": "1", "MGRPO_TRITON_GLU_CPU": "1"}
 MIXED = {"MGRPO_FUSED_ADAMW_MIN_NUMEL": "2048"}
@@ -85,13 +85,6 @@ def test_kernel_matches_torch_adamw_on_gpu():
     _check_kernel(run_ranks(_kernel_rank, 1, "cuda")[0])
 
 
-def _masters(engine) -> list[torch.Tensor]:
-    from megatron_grpo.engine.ckpt_adam import inner_optimizers
-
-    return [p.detach().float().clone() for sub in inner_optimizers(engine.optimizer)
-            for g in sub.optimizer.param_groups for p in g["params"]]
-
-
 def _weights(engine) -> list[torch.Tensor]:
     return [p.detach().clone() for p in engine.model[0].parameters()]
 
@@ -115,12 +108,7 @@ def _engine_rank(hf_dir: str, run_dir: str) -> dict:
     res["reinstalled"] = fused_adamw.install(fused.optimizer)
     mbs = _microbatches(fused, hf_dir, 512)
     cfg = StepConfig()
-    start = _masters(fused)
-    for e in (fused, ref):  # step 1: the same gradients, so only the kernels' rounding differs
-        train_step(e, mbs, cfg, step=1)
-    a, b = _masters(fused), _masters(ref)
-    res["update_ulps"] = update_ulps(a, b, start)
-    res["update_norm"] = max(float((y - s).norm()) for y, s in zip(b, start))
+    res.update(first_step_apart(fused, ref, mbs, cfg))
     # the model's bf16 weights are the master weights rounded, written by the kernel
     res["weights_are_masters"] = _weights_equal_masters(fused)
     train_step(fused, mbs, cfg, step=2)
