@@ -163,8 +163,10 @@ def install(optimizer) -> int:
                if main.numel() >= MIN_NUMEL and view.dtype in (torch.bfloat16, torch.float16) and main.is_contiguous()}
         if not big:
             continue
-        sub.optimizer.step = functools.partial(_step, sub.optimizer, views, big, sub)
-        sub._copy_main_params_to_model_params = functools.partial(_copy_rest, sub, views, big,
+        outs = {k: view for k, (_, view) in views.items() if k in big}
+        rest = [(main, view) for k, (main, view) in views.items() if k not in big]
+        sub.optimizer.step = functools.partial(_step, sub.optimizer, outs, sub)
+        sub._copy_main_params_to_model_params = functools.partial(_copy_rest, sub, rest,
                                                                   sub._copy_main_params_to_model_params)
         sub._mgrpo_fused_adamw, sub._mgrpo_weights_written = True, False
         fused += len(big)
@@ -194,43 +196,51 @@ def _state(inner, p: torch.Tensor) -> dict:
     return st
 
 
-@torch.no_grad()
-def _step(inner, views: dict, big: set, sub, closure=None):
+def _step(inner, outs: dict, sub, closure=None):
+    """The inner optimizer's ``step``: the shards in ``outs`` (``{id(master shard): its bf16 model
+    weights}``) through the Triton pass, the others through torch's fused AdamW. Like torch's
+    optimizers, runs ``closure`` with autograd on first and returns its loss."""
+    loss = None
     if closure is not None:
-        raise NotImplementedError("the fused AdamW step takes no closure")
-    for group in inner.param_groups:
-        rest = [p for p in group["params"] if p.grad is not None and id(p) not in big]
-        mine = [p for p in group["params"] if p.grad is not None and id(p) in big]
-        beta1, beta2 = group["betas"]
-        if rest:  # torch's own fused AdamW, as before
-            sts = [_state(inner, p) for p in rest]
-            steps = [s["step"] for s in sts]
-            torch._foreach_add_(steps, 1.0)
-            torch._fused_adamw_(rest, [p.grad for p in rest], [s["exp_avg"] for s in sts],
-                                [s["exp_avg_sq"] for s in sts], [], steps, amsgrad=False, lr=group["lr"],
-                                beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
-                                maximize=False, grad_scale=None, found_inf=None)
-        if mine:
-            sts = [_state(inner, p) for p in mine]
+        with torch.enable_grad():
+            loss = closure()
+    with torch.no_grad():
+        for group in inner.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            sts = [_state(inner, p) for p in params]
             steps = [s["step"] for s in sts]
             torch._foreach_add_(steps, 1.0)  # the state as torch's fused AdamW keeps it
-            # the counts on the host for the bias corrections: one read per group (the device has
-            # finished the gradient norm's read by now, so it waits for little)
-            for p, s, k in zip(mine, sts, torch.stack(steps).tolist()):
-                adamw_(p, p.grad, s["exp_avg"], s["exp_avg_sq"], int(k), lr=group["lr"], beta1=beta1,
-                       beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], out=views[id(p)][1])
+            beta1, beta2 = group["betas"]
+            hyper = dict(lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"])
+            rest = [i for i, p in enumerate(params) if id(p) not in outs]
+            if rest:  # torch's own fused AdamW, as before
+                torch._fused_adamw_([params[i] for i in rest], [params[i].grad for i in rest],
+                                    [sts[i]["exp_avg"] for i in rest], [sts[i]["exp_avg_sq"] for i in rest], [],
+                                    [steps[i] for i in rest], amsgrad=False, beta1=beta1, beta2=beta2,
+                                    maximize=False, grad_scale=None, found_inf=None, **hyper)
+            mine = [i for i, p in enumerate(params) if id(p) in outs]
+            if mine:
+                # the counts on the host for the bias corrections: one read per group (the device has
+                # finished the gradient norm's read by now, so it waits for little)
+                counts = torch.stack([steps[i] for i in mine]).tolist()
+                for i, k in zip(mine, counts):
+                    p, st = params[i], sts[i]
+                    adamw_(p, p.grad, st["exp_avg"], st["exp_avg_sq"], int(k), beta1=beta1, beta2=beta2,
+                           out=outs[id(p)], **hyper)
     sub._mgrpo_weights_written = True
-    return None
+    return loss
 
 
 @torch.no_grad()
-def _copy_rest(sub, views: dict, big: set, original):
-    """megatron's master-to-model copy after a fused step: only the shards the kernel did not
-    write; any other time (not after a step of ours): megatron's own."""
+def _copy_rest(sub, rest: list, original):
+    """megatron's master-to-model copy after a fused step: only ``rest``, the (master shard, model
+    weights) pairs the kernel did not write; any other time (not after a step of ours): megatron's
+    own."""
     if not sub._mgrpo_weights_written:
         return original()
     sub._mgrpo_weights_written = False
-    for key, (main, view) in views.items():
-        if key not in big:
-            view.copy_(main.view(-1))
+    for main, view in rest:
+        view.copy_(main.view(-1))
     return None

@@ -22,10 +22,11 @@ def _kernel_rank(device: str = "cpu") -> dict:
 
     res = {"ulps": 0.0, "moments_rel": 0.0, "out_equal": True}
     g = torch.Generator().manual_seed(0)
-    # and torch's default betas with weights as small as their updates (the tiny checkpoint's): one
-    # unit in the last place of the weight is then ~1e-7 of the update, so the update's own rounding
-    # shows; the first step only, whose moments have no cancellation (later, 0.9 m + 0.1 g can
-    # cancel, and torch's lerp rounds at the gradient's scale, not at the result's)
+    # three steps on weights near 1, and torch's default betas on weights as small as their updates
+    # (the tiny checkpoint's): one unit in the last place of the weight is then ~1e-7 of the update,
+    # so the update's own rounding shows; there the first step only, whose moments have no
+    # cancellation (later, 0.9 m + 0.1 g can cancel, and torch's lerp rounds at the gradient's
+    # scale, not at the result's)
     for lr, beta2, scale, steps in ((3e-3, 0.95, 1.0, (1, 2, 3)), (1e-6, 0.999, 1e-6, (1,))):
         hyper = dict(lr=lr, betas=(0.9, beta2), eps=1e-8, weight_decay=0.1)
         for n in (1, 2047, 2049, 5000):  # around the kernel's block
@@ -165,3 +166,27 @@ def test_cpu_parameters_keep_torch_adamw():
         optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(3))], lr=1e-3)
 
     assert install(Sub()) == 0 and "step" not in vars(Sub.optimizer)
+
+
+def test_step_runs_the_closure_and_returns_its_loss():
+    from types import SimpleNamespace
+
+    from megatron_grpo.engine.fused_adamw import _step
+
+    w0 = torch.randn(5, generator=torch.Generator().manual_seed(0))
+
+    def closure_for(opt, p):
+        def closure():
+            opt.zero_grad()
+            loss = (p * torch.arange(5.0)).square().sum()
+            loss.backward()
+            return loss
+        return closure
+
+    ours_p, ref_p = torch.nn.Parameter(w0.clone()), torch.nn.Parameter(w0.clone())
+    ours = torch.optim.AdamW([ours_p], lr=1e-2, fused=True)
+    ref = torch.optim.AdamW([ref_p], lr=1e-2, fused=True)
+    sub = SimpleNamespace()
+    loss = _step(ours, {}, sub, closure_for(ours, ours_p))  # no shard for the kernel: torch's fused AdamW
+    assert torch.equal(loss, ref.step(closure_for(ref, ref_p)))
+    assert torch.equal(ours_p, ref_p) and not torch.equal(ours_p, w0) and sub._mgrpo_weights_written
