@@ -4,8 +4,12 @@ Markers (pytest.ini): unmarked = CPU, fast; `slow` = CPU, minutes (still in CI);
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import signal
+import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -21,6 +25,8 @@ CACHE = Path(os.environ.get("MGRPO_TEST_CACHE", REPO / ".cache" / "tests"))
 
 
 def pytest_collection_modifyitems(config, items):
+    # the tests of the embedded default run last: its cold start builds in the background until then
+    items.sort(key=lambda item: item.get_closest_marker("cold_start") is not None)  # stable
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA (run on the GPU machine)")
@@ -94,16 +100,69 @@ def _start_session_server(log: Path) -> None:
     _SESSION_SERVER["thread"].start()
 
 
+_COLD_START: dict = {}
+"""The embedded default's cold start (`mgrpo sft`, ~4 minutes on 2 cores), built by a background
+process at the lowest CPU priority once collection shows a `cold_start` test: it takes the CPU the
+other tests leave idle, and those tests run last (`pytest_collection_modifyitems`). A test that
+needs it before it is done waits on the cache's build lock (megatron_grpo/run/embedded.py); if the
+build failed, the test's own run builds it again and shows why. Keys: proc, watcher, log."""
+
+
+def _start_cold_start_build(log: Path) -> None:
+    from megatron_grpo.config import TrainConfig
+    from megatron_grpo.run.embedded import cold_start_dir
+    from model_bridge.lifeline import guard_group
+
+    cache = CACHE / "embedded"
+    # the tiny checkpoint and the expert trajectories (seconds) here, before any test can read
+    # them: they are built without the lock; the background process builds the rest under it
+    if (cold_start_dir(TrainConfig(), cache) / "hf" / "model.safetensors.index.json").exists():
+        return
+    code = ("import sys; from megatron_grpo.config import TrainConfig; "
+            "from megatron_grpo.run.embedded import ensure_embedded_inputs; "
+            "ensure_embedded_inputs(TrainConfig(), sys.argv[1])")
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", code, str(cache)], cwd=REPO, stdin=subprocess.DEVNULL,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=dict(os.environ, MGRPO_CACHE=str(cache)), preexec_fn=lambda: os.nice(19))
+    # its own group; the watcher ends it if this pytest process dies without pytest_sessionfinish
+    _COLD_START.update(proc=proc, watcher=guard_group(proc.pid), log=log)
+
+
+def _stop_cold_start_build() -> None:
+    """End a build still running at the end of the session (a run whose cold_start tests were
+    deselected or failed early): SIGINT first, so it removes its temporary dirs."""
+    from model_bridge.lifeline import release
+
+    proc = _COLD_START.pop("proc", None)
+    if proc is None:
+        return
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    release(_COLD_START.pop("watcher", None))
+
+
 def pytest_collection_finish(session):
     if session.config.option.collectonly:
         return
+    factory = getattr(session.config, "_tmp_path_factory", None)
+    if any(item.get_closest_marker("cold_start") for item in session.items):
+        logdir = factory.mktemp("cold_start") if factory is not None else Path(tempfile.mkdtemp(prefix="mgrpo-cs-"))
+        _start_cold_start_build(logdir / "build.log")
     if any("vllm_server" in getattr(item, "fixturenames", ()) for item in session.items):
-        factory = getattr(session.config, "_tmp_path_factory", None)
         logdir = factory.mktemp("vllm") if factory is not None else Path(tempfile.mkdtemp(prefix="mgrpo-vllm-"))
         _start_session_server(logdir / "server.log")
 
 
 def pytest_sessionfinish(session):
+    _stop_cold_start_build()
     thread = _SESSION_SERVER.get("thread")
     if thread is None:
         return

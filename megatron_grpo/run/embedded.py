@@ -3,6 +3,7 @@ model's agentic cold start (a short `mgrpo sft` on the synthetic expert trajecto
 the cache dir ($MGRPO_CACHE, default ~/.cache/megatron-grpo) the first time a run needs them."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -19,18 +20,45 @@ DATA_ROWS = 64
 
 
 def ensure_embedded_inputs(cfg: TrainConfig, cache: Path | None = None) -> TrainConfig:
-    """Fill model.hf_dir / data.train_jsonl when unset, building what is missing (rank 0 only)."""
+    """Fill model.hf_dir / data.train_jsonl when unset, building what is missing (rank 0 only).
+    One process at a time per cache builds (`_build_lock`); another waits and then finds it built."""
     cache = Path(cache or default_cache_dir())
-    if cfg.model.hf_dir is None:
-        cfg.model.hf_dir = str(ensure_cold_start(cfg, cache))
-    if cfg.data.train_jsonl is None and cfg.rollout.server != "replay":  # a replay reads no data
-        out = cache / "audio-agent-data"
-        if not (out / "train.jsonl").exists():
-            from megatron_grpo.data.synth import make_data
-            print(f"[train] building the embedded synthetic data in {out}", flush=True)
-            make_data(out, n=DATA_ROWS, n_dev=4, seed=0, progress=False)
-        cfg.data.train_jsonl = str(out / "train.jsonl")
+    if cfg.model.hf_dir is not None and (cfg.data.train_jsonl is not None or cfg.rollout.server == "replay"):
+        return cfg
+    with _build_lock(cache):
+        if cfg.model.hf_dir is None:
+            cfg.model.hf_dir = str(ensure_cold_start(cfg, cache))
+        if cfg.data.train_jsonl is None and cfg.rollout.server != "replay":  # a replay reads no data
+            out = cache / "audio-agent-data"
+            if not (out / "train.jsonl").exists():
+                from megatron_grpo.data.synth import make_data
+                print(f"[train] building the embedded synthetic data in {out}", flush=True)
+                make_data(out, n=DATA_ROWS, n_dev=4, seed=0, progress=False)
+            cfg.data.train_jsonl = str(out / "train.jsonl")
     return cfg
+
+
+@contextlib.contextmanager
+def _build_lock(cache: Path):
+    """An exclusive lock on ``cache/.build.lock`` while the embedded inputs are checked and built:
+    two runs sharing a cache (or a test session's background build and a test's run) would
+    otherwise both build the cold start, and the second to finish removes the first's. The lock
+    goes with the process that holds it, however it ends. The cold start's own `mgrpo sft` takes
+    no lock: the inputs it reads are built before it starts."""
+    import fcntl
+
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / ".build.lock", "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"[train] waiting for another process to finish building the embedded inputs in {cache}",
+                  flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def ensure_sft_inputs(cfg: TrainConfig, cache: Path | None = None) -> TrainConfig:

@@ -111,6 +111,7 @@ def _finish(jobs: dict, cluster, timeout: float = JOB_TIMEOUT_S) -> tuple[dict, 
     return train, rollout
 
 
+@pytest.mark.cold_start
 def test_preempted_trainer_checkpoints_requeues_and_resumes(local_slurm, tmp_path):
     """The tiny CPU run trains to the end through one preemption: the trainer job checkpoints at
     USR1, is requeued once, resumes, finishes (DONE, no second requeue) and cancels the rollout

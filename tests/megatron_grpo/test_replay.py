@@ -144,11 +144,17 @@ def _check_trainer_logprobs(rec: Path, run: Path, live: list) -> None:
 
 
 @pytest.mark.slow
-def test_record_then_replay_without_a_server(tmp_path):
+@pytest.mark.cold_start
+def test_record_then_replay_without_a_server(remote_server, tmp_path):
     """Record 2 steps of the embedded job (real vLLM CPU server, nproc 2, TP2, returning routed
     experts); replay them with no server (server_urls at a dead port) at nproc 1/TP1 and, with a
     resume, at the recording's layout; then with MoE routing replay of the server's routes (r3)
-    and of the trainer's own old-pass routes (r2)."""
+    and of the trainer's own old-pass routes (r2).
+
+    The recording rolls out on the session server (`rollout.server=remote`: the very server
+    `rollout.server=local` would start, tests/conftest.py) rather than on a server of its own, a
+    minute of start-up on 2 cores; starting and stopping a run's own local server is covered by
+    tests/megatron_grpo/run/test_sizing.py and tests/launch/test_slurm_local.py."""
     rec = tmp_path / "rec"
     # long answers (up to 3 turns x 1024 tokens): the random tiny model must score in some of 8
     # samples for step 1 to have non-zero advantages (24-token turns scored 0 in all 8)
@@ -157,7 +163,8 @@ def test_record_then_replay_without_a_server(tmp_path):
              "rollout.reward_funcs=[answer_chars,format]", "rollout.reward_weights=[1.0,1.0]",
              "rollout.return_routed_experts=true"]
     r = _mgrpo("train", *small, f"rollout.record_dir={rec}", f"trainer.run_dir={tmp_path / 'live'}",
-               "logging.trajectories.every=2", "logging.trajectories.max_samples=4")
+               "logging.trajectories.every=2", "logging.trajectories.max_samples=4",
+               "rollout.server=remote", f"rollout.server_urls=[{remote_server.url}]")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     live = _metrics(tmp_path / "live")
     assert sorted(p.name for p in rec.iterdir()) == [MANIFEST, "step_000001.pt", "step_000001.trainer.pt",

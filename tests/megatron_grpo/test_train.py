@@ -5,7 +5,7 @@ The end-to-end runs roll out on the session's vLLM server (`rollout.server=remot
 from the very spec `rollout.server=local` would start, tests/conftest.py) instead of a server of
 their own each (a minute of start-up per run on 2 cores); `remote_server` pushes the checkpoint's
 weights back afterwards. Starting and stopping the local server is tested by
-tests/launch/test_slurm_local.py (the rollout job) and tests/megatron_grpo/test_replay.py."""
+tests/launch/test_slurm_local.py (the rollout job) and tests/megatron_grpo/run/test_sizing.py."""
 import json
 import os
 import subprocess
@@ -140,6 +140,7 @@ def test_bad_data_row_fails_before_any_rank_or_server_starts(mgrpo_inproc, tmp_p
 
 
 @pytest.mark.slow
+@pytest.mark.cold_start
 def test_embedded_default_learns_checkpoints_and_resumes(remote_server, tmp_path):
     run = tmp_path / "run"
     # the checkpoints written in the background (checkpoint.async_save; "auto" is off on CPU): the
@@ -173,6 +174,7 @@ def test_embedded_default_learns_checkpoints_and_resumes(remote_server, tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.cold_start
 def test_one_step_off_policy_overlap(remote_server, tmp_path):
     """rollout.overlap: step k+1 rolls out while step k trains, one policy version behind."""
     run = tmp_path / "overlap"

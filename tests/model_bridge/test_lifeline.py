@@ -158,6 +158,7 @@ def _group_gone(pgid) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.cold_start
 def test_kill_9_of_mgrpo_train_leaves_no_rank_and_no_vllm_process(tmp_path):
     """The embedded tiny job (2 ranks, a local vLLM server), killed with SIGKILL as soon as both
     ranks run and rank 0's vLLM server has started (its API process, guarded by its watcher): the
@@ -271,6 +272,7 @@ def _pgid(pid):
 
 
 @pytest.mark.slow
+@pytest.mark.cold_start
 def test_a_failed_rollout_ends_both_ranks_with_one_line(tmp_path):
     """`mgrpo train` (2 ranks) against a rollout server that is up (/health) but answers every other
     request with an error (the weight push before step 1 is the first): exit 1, one `rollout error` line from rank 0 and no traceback from any

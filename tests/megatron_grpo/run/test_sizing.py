@@ -97,6 +97,7 @@ def test_max_audio_seconds_defaults_to_the_models_40_minutes():
                    "VLLM_MAX_AUDIO_DECODE_BYTES": str(2401 * 48000 * 4)}
 
 
+@pytest.mark.cold_start
 def test_rows_that_cannot_fit_are_refused_before_start_up_one_line_each(mgrpo_inproc, tiny_ckpt, tmp_path):
     """With serve.max_model_len=8192 neither a 20-minute recording (~16k prompt tokens) nor a
     40-minute one fits: one line per row, exit 2, no rank and no server started."""
@@ -132,6 +133,7 @@ def test_rows_that_cannot_fit_are_refused_before_start_up_one_line_each(mgrpo_in
 
 
 @pytest.mark.slow
+@pytest.mark.cold_start
 def test_20_and_40_minute_recordings_train(tmp_path):
     """Seed-format rows with a 20- and a 40-minute mp3, the data and server settings at their
     defaults (data.max_audio_seconds the model's 40 minutes, serve.max_model_len auto): 3 steps of
