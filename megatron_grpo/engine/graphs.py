@@ -235,8 +235,8 @@ def enable_graphs(engine, enabled: bool, budget: int, *, backend: str = "auto", 
         engine.graphs_fallback = why
         return None
     engine.graphs = MicroBatchGraphs(unwrapped(engine.model[0]), budget, multiple)
-    log.warning("trainer.cuda_graphs: on, bucket shapes %s tokens. Known issue: at full width with several bucket "
-                "shapes (budgets of a few thousand tokens) the gradient norm has come out non-finite under graphs "
-                "(docs/performance.md, \"Training phase\"); such steps are skipped (trainer.max_consecutive_skips)",
+    log.warning("trainer.cuda_graphs: on, bucket shapes %s tokens. Known issue: at full width with budgets of a few "
+                "thousand tokens the gradient norm has come out non-finite under graphs (docs/performance.md, "
+                "\"Training phase\"); such steps are skipped (trainer.max_consecutive_skips)",
                 engine.graphs.buckets)
     return engine.graphs

@@ -220,5 +220,5 @@ def test_enable_graphs_names_the_known_issue_where_they_apply(caplog, monkeypatc
     assert engine.graphs_fallback is None
     assert caplog.messages == [
         "trainer.cuda_graphs: on, bucket shapes [1024, 2048, 3072, 4096] tokens. Known issue: at full width with "
-        "several bucket shapes (budgets of a few thousand tokens) the gradient norm has come out non-finite under "
-        "graphs (docs/performance.md, \"Training phase\"); such steps are skipped (trainer.max_consecutive_skips)"]
+        "budgets of a few thousand tokens the gradient norm has come out non-finite under graphs "
+        "(docs/performance.md, \"Training phase\"); such steps are skipped (trainer.max_consecutive_skips)"]
