@@ -68,7 +68,7 @@ from megatron_grpo.algo.sft import sft_loss
 from .batch import TrainMicroBatch
 from .forward import DEFAULT_FUSED_LM_HEAD, fill_old_logprobs, is_last_stage, model_device, run_schedule
 from .logprobs import DEFAULT_CHUNK_TOKENS, token_logprobs
-from .nonfinite import NonFiniteGradError, NonFiniteSkips
+from .nonfinite import NonFiniteGradError, NonFiniteSkips, log_nonfinite
 from .routes import RouteSink, replay_metrics
 
 __all__ = ["StepConfig", "NonFiniteGradError", "NonFiniteSkips", "forward_backward", "optimizer_update",
@@ -410,7 +410,8 @@ def optimizer_update(engine, skips: Optional[NonFiniteSkips] = None, step: Optio
             _clip(opt, grad_norm)
         opt.step_with_ready_grads()
         engine.scheduler.step(1)
-    skips.record(bad, grad_norm, step)
+    names = log_nonfinite(engine.model, grad_norm, step, dist.get_rank() if _dist() else None) if bad else None
+    skips.record(bad, grad_norm, step, names)
     return {"grad_norm": grad_norm, "lr": lr, "skipped": float(bad), "consecutive_skips": float(skips.consecutive),
             "total_skips": float(skips.total)}
 
