@@ -11,6 +11,20 @@ from model_bridge.spawn import run_ranks
 
 INTERPRETED_ENV = {"TRITON_INTERPRET": "1", "MGRPO_TRITON_GLU_CPU": "1"}
 
+KERNEL_SWITCHES = ("GLU", "ROUTING", "NORM", "ROPE", "EMPTY_GROUPS", "EMBED", "AUDIO_CONV", "GRAD_ACCUM", "ADAMW")
+"""The ``MGRPO_TRITON_<name>`` switches of the torch backend's and the engine's Triton kernels."""
+
+
+def interpreting_only(*kernels: str) -> dict[str, str]:
+    """The env of a child process that runs ``kernels`` (names from :data:`KERNEL_SWITCHES`) under
+    Triton's interpreter and every other kernel's torch path: a whole-engine test of one kernel then
+    pays the interpreter for that kernel alone (interpreted, the model's kernels take most of a
+    step's time)."""
+    unknown = set(kernels) - set(KERNEL_SWITCHES)
+    if unknown:
+        raise ValueError(f"unknown kernel switches {sorted(unknown)}; known: {', '.join(KERNEL_SWITCHES)}")
+    return {**INTERPRETED_ENV, **{f"MGRPO_TRITON_{k}": "0" for k in KERNEL_SWITCHES if k not in kernels}}
+
 
 def _in_child(kernels: Callable[[], Any], fn: Callable[..., Any], args: tuple):
     from model_bridge.modeling._triton import TRITON_ON_CPU

@@ -7,18 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_grpo.testing.interpreted import INTERPRETED_ENV as INTERPRET, interpreting_only
 from model_bridge.spawn import run_ranks
 
 from test_fused_adam import MAX_ULPS, _masters, first_step_apart, ulp
 
-INTERPRET = {"TRITON_INTERPRET": "1", "MGRPO_TRITON_GLU_CPU": "1"}
 MIXED = {"MGRPO_FUSED_ADAMW_MIN_NUMEL": "2048"}
 """The tiny model's parameters are all below the default size for the kernel: the larger ones go
 through it, the norms and biases through torch's fused AdamW, as a full-width model's would."""
-MODEL_IN_TORCH = {f"MGRPO_TRITON_{k}": "0" for k in ("GLU", "ROUTING", "NORM", "ROPE", "EMPTY_GROUPS", "EMBED",
-                                                     "GRAD_ACCUM", "AUDIO_CONV")}
-"""The engine test on CPU interprets the AdamW kernel only; the model's forward and backward take
-their torch paths, as on any CPU run (interpreted, the model's kernels took most of its time)."""
 
 
 def _kernel_rank(device: str = "cpu") -> dict:
@@ -153,7 +149,7 @@ def _check(res):
 @pytest.mark.slow
 def test_engine_steps_match_torch_adamw_and_resume_on_cpu(tiny_ckpt, tmp_path):
     res = run_ranks(_engine_rank, 1, str(tiny_ckpt), str(tmp_path / "run"),
-                    env={**INTERPRET, **MIXED, **MODEL_IN_TORCH}, timeout=900)[0]
+                    env={**interpreting_only("ADAMW"), **MIXED}, timeout=900)[0]
     _check(res)
 
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_grpo.testing.interpreted import INTERPRETED_ENV as INTERPRET, interpreting_only
 from model_bridge.spawn import run_ranks
 
-INTERPRET = {"TRITON_INTERPRET": "1", "MGRPO_TRITON_GLU_CPU": "1"}
 EVERY_PARAM = {"MGRPO_GRAD_ACCUM_MIN_NUMEL": "1"}
 """The tiny model's parameters are all below the default size for a hook: hook every one."""
 
@@ -77,7 +77,8 @@ def _check(res):
 
 @pytest.mark.slow
 def test_hooks_give_ddp_main_grads_bit_identically_on_cpu(tiny_ckpt):
-    _check(run_ranks(_ddp_vs_hooks_rank, 1, str(tiny_ckpt), env={**INTERPRET, **EVERY_PARAM}, timeout=900)[0])
+    _check(run_ranks(_ddp_vs_hooks_rank, 1, str(tiny_ckpt), env={**interpreting_only("GRAD_ACCUM"), **EVERY_PARAM},
+                     timeout=900)[0])
 
 
 @pytest.mark.gpu
