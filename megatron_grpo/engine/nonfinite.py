@@ -19,11 +19,10 @@ MAX_NAMED = 8
 through the whole model would otherwise print every parameter of it."""
 
 
-def _param_name(name: str) -> str:
-    """A parameter's name without megatron's wrapper prefixes (DDP, Float16Module: ``module.``)."""
-    while name.startswith("module."):
-        name = name[len("module."):]
-    return name
+def _listed(names: list[str]) -> str:
+    """The first :data:`MAX_NAMED` names, the rest counted."""
+    more = f" and {len(names) - MAX_NAMED} more" if len(names) > MAX_NAMED else ""
+    return "; ".join(names[:MAX_NAMED]) + more
 
 
 def _runs(indices: list[int]) -> str:
@@ -44,9 +43,11 @@ def nonfinite_grads(chunks: Iterable[torch.nn.Module]) -> list[str]:
     local experts that do, as runs (``"decoder.layers.1.mlp.experts.weight2 (local experts 50-79)"``).
     One device-to-host copy for the whole model; meant for skipped steps only (it reads every
     gradient once)."""
+    from model_bridge.load import unwrap_model
+
     named, flags = [], []
     for chunk in chunks:
-        for name, p in chunk.named_parameters():
+        for name, p in unwrap_model(chunk).named_parameters():  # names without DDP's `module.` prefixes
             g = getattr(p, "main_grad", None)
             g = p.grad if g is None else g
             if g is None or g.numel() == 0:
@@ -54,11 +55,11 @@ def nonfinite_grads(chunks: Iterable[torch.nn.Module]) -> list[str]:
             per_expert = g.dim() == 3 and "experts" in name
             # not finite per expert (rows of a stacked expert weight), or one flag for the tensor
             bad = ~torch.isfinite(g).reshape(g.shape[0], -1).all(1) if per_expert else ~torch.isfinite(g).all().view(1)
-            named.append((_param_name(name), per_expert))
+            named.append((name, per_expert))
             flags.append(bad)
     if not flags:
         return []
-    host = torch.cat([f.to(device=flags[0].device) for f in flags]).cpu().tolist()
+    host = torch.cat(flags).cpu().tolist()
     out, pos = [], 0
     for (name, per_expert), f in zip(named, flags):
         vals, pos = host[pos:pos + f.numel()], pos + f.numel()
@@ -76,9 +77,8 @@ def log_nonfinite(chunks: Iterable[torch.nn.Module], grad_norm: float, step: Opt
     where = "" if step is None else f"step {step}: "
     who = "" if rank is None else f" on rank {rank}"
     if names:
-        more = f" and {len(names) - MAX_NAMED} more" if len(names) > MAX_NAMED else ""
-        log.warning("%supdate skipped (grad norm %s); non-finite gradients%s in %s%s", where, grad_norm, who,
-                    "; ".join(names[:MAX_NAMED]), more)
+        log.warning("%supdate skipped (grad norm %s); non-finite gradients%s in %s", where, grad_norm, who,
+                    _listed(names))
     else:
         log.warning("%supdate skipped (grad norm %s); every gradient%s is finite (another rank's are not)",
                     where, grad_norm, who)
@@ -107,10 +107,7 @@ class NonFiniteSkips:
         self.total += 1
         if self.consecutive >= self.max_consecutive:
             where = "" if step is None else f" (at step {step})"
-            named = ""
-            if nonfinite:
-                more = f" and {len(nonfinite) - MAX_NAMED} more" if len(nonfinite) > MAX_NAMED else ""
-                named = f" The last one's non-finite gradients on this rank: {'; '.join(nonfinite[:MAX_NAMED])}{more}."
+            named = f" The last one's non-finite gradients on this rank: {_listed(nonfinite)}." if nonfinite else ""
             raise NonFiniteGradError(
                 f"{self.consecutive} consecutive training steps had non-finite gradients (grad norm {grad_norm}); "
                 f"the update was skipped each time and the run stops{where}.{named} Lower the LR, check the rewards "
