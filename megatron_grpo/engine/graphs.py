@@ -39,7 +39,7 @@ import torch
 from . import grad_accum
 
 __all__ = ["MicroBatchGraphs", "graph_fallback_reason", "bucket_sizes", "enable_graphs", "trainer_stream",
-           "MAX_SEGMENTS"]
+           "capture_stream", "warm_up_on_capture_stream", "MAX_SEGMENTS"]
 
 log = logging.getLogger("megatron_grpo.engine.graphs")
 
@@ -131,6 +131,41 @@ class _Stack(torch.nn.Module):
         return self.thinker[0].lm_head_input(out)
 
 
+def capture_stream() -> torch.cuda.Stream:
+    """The stream ``torch.cuda.graph`` (and so ``make_graphed_callables``) captures on when given
+    none: :func:`trainer_stream`'s, else torch's own default capture stream (made here if new)."""
+    if torch.cuda.graph.default_capture_stream is None:
+        torch.cuda.graph.default_capture_stream = torch.cuda.Stream()
+    return torch.cuda.graph.default_capture_stream
+
+
+def warm_up_on_capture_stream(fn: torch.nn.Module, args: tuple) -> None:
+    """One eager forward and backward of ``fn(*args)`` on the capture stream, before capturing it.
+
+    cuBLAS and cuBLASLt keep a workspace per (thread, stream) that torch allocates on the first GEMM
+    there (32 MiB on Hopper) and keeps for the process. ``make_graphed_callables`` warms up on a
+    side stream of its own, so without this the first GEMM of the backward on the capture stream,
+    run by autograd's device thread, allocates that thread's workspace inside the capture, from the
+    graph's private pool, over memory that the forward graph's saved tensors also occupy (blocks
+    freed earlier in the backward). The workspace outlives the capture, and every later eager GEMM
+    of a backward on that stream (the LM head's, between a micro-batch's forward and backward
+    replays) writes its scratch there, over the forward's saved activations. On the H200 that
+    turned rows of the last layer's saved SwiGLU output into NaN before the backward replay read
+    them (docs/performance.md, "Where the graphs NaN was"). Gradients are taken with
+    ``autograd.grad`` (as ``make_graphed_callables``' own warm-up), so nothing accumulates into
+    ``.grad`` or megatron's grad buffers."""
+    stream = capture_stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        out = fn(*args)
+        inputs = [a for a in args if torch.is_tensor(a) and a.requires_grad]
+        inputs += [p for p in fn.parameters() if p.requires_grad]
+        torch.autograd.grad(out, inputs, torch.zeros_like(out), allow_unused=True)
+        del out
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+
+
 class MicroBatchGraphs:
     """The graphed decoder stacks of one model chunk, by bucket shape, captured on first use."""
 
@@ -173,11 +208,12 @@ class MicroBatchGraphs:
         args = (torch.zeros(tokens, 1, h, dtype=like.dtype, device=like.device, requires_grad=True),
                 torch.zeros(3, 1, tokens, dtype=torch.long, device=like.device),
                 torch.tensor([0] + [tokens] * MAX_SEGMENTS, dtype=torch.int32, device=like.device))
+        stack = _Stack(self.thinker, tokens)
         torch.cuda.synchronize()
         # the GPT model's embedding and output layer are in its parameters but not in this graph
         with grad_accum.paused():  # the warm-up and capture take parameter gradients without accumulating
-            graphed = torch.cuda.make_graphed_callables(_Stack(self.thinker, tokens), args, allow_unused_input=True,
-                                                        pool=self.pool)
+            warm_up_on_capture_stream(stack, args)
+            graphed = torch.cuda.make_graphed_callables(stack, args, allow_unused_input=True, pool=self.pool)
         torch.cuda.synchronize()
         for k, v in get_moe_layer_wise_logging_tracker().items():
             if k in saved:
@@ -235,8 +271,5 @@ def enable_graphs(engine, enabled: bool, budget: int, *, backend: str = "auto", 
         engine.graphs_fallback = why
         return None
     engine.graphs = MicroBatchGraphs(unwrapped(engine.model[0]), budget, multiple)
-    log.warning("trainer.cuda_graphs: on, bucket shapes %s tokens. Known issue: at full width with budgets of a few "
-                "thousand tokens the gradient norm has come out non-finite under graphs (docs/performance.md, "
-                "\"Training phase\"); such steps are skipped (trainer.max_consecutive_skips)",
-                engine.graphs.buckets)
+    log.info("trainer.cuda_graphs: on, bucket shapes %s tokens", engine.graphs.buckets)
     return engine.graphs
