@@ -16,8 +16,9 @@ decoder input gets ``T_b - T`` zero rows as one more padding segment, the segmen
 to a fixed ``MAX_SEGMENTS + 1`` entries with zero-length segments, and ``varlen_attn`` runs with
 ``max_seqlen = T_b``: the graph reads the offsets from a device buffer that each replay refills, so
 one capture serves every packing. The padding rows attend only to themselves and get no loss; they
-do go through the router, so the MoE load-balancing loss counts ``T_b`` tokens instead of ``T``
-(as it already counts the packer's padding).
+do go through the router, but a padding mask (True on the bucket's rows) keeps them out of the
+MoE load-balancing and z losses, which therefore equal the unpadded micro-batch's (the packer's own
+padding tokens count there, as in an eager micro-batch).
 
 Falls back to eager, with one logged reason, where graphs cannot apply: no CUDA; pipeline
 parallelism (PP > 1: megatron's 1F1B exchanges activations between stages around each forward);
@@ -104,7 +105,8 @@ def bucket_sizes(budget: int, multiple: int = 1) -> list[int]:
 
 class _Stack(torch.nn.Module):
     """The thinker's decoder stack for one bucket shape: ``(decoder_input [T_b, 1, h], position_ids
-    [3, 1, T_b], cu_seqlens int32 [MAX_SEGMENTS + 1]) -> final-normed hidden [T_b, 1, h]``."""
+    [3, 1, T_b], cu_seqlens int32 [MAX_SEGMENTS + 1], padding_mask bool [1, T_b]) -> final-normed
+    hidden [T_b, 1, h]``."""
 
     def __init__(self, thinker, tokens: int):
         super().__init__()
@@ -116,7 +118,7 @@ class _Stack(torch.nn.Module):
         # offsets from the device buffer
         self.host_cu = (0,) + (tokens,) * MAX_SEGMENTS
 
-    def forward(self, decoder_input, position_ids, cu_seqlens):
+    def forward(self, decoder_input, position_ids, cu_seqlens, padding_mask):
         from megatron.core.packed_seq_params import PackedSeqParams
 
         from model_bridge.modeling.thd import attach_host_offsets
@@ -125,7 +127,10 @@ class _Stack(torch.nn.Module):
                                                   max_seqlen_q=self.tokens, max_seqlen_kv=self.tokens), self.host_cu)
         self.lm.post_process = False  # GPTModel then returns the decoder's final-normed output
         try:
-            out = self.lm(None, position_ids, None, decoder_input=decoder_input, packed_seq_params=psp)
+            # padding_mask [1, T_b] (True: the bucket's padding rows): megatron's routers leave those
+            # rows out of the load-balancing and z losses (they are still routed and computed)
+            out = self.lm(None, position_ids, None, decoder_input=decoder_input, packed_seq_params=psp,
+                          padding_mask=padding_mask)
         finally:
             self.lm.post_process = True
         return self.thinker[0].lm_head_input(out)
@@ -207,7 +212,8 @@ class MicroBatchGraphs:
         h = like.shape[-1]
         args = (torch.zeros(tokens, 1, h, dtype=like.dtype, device=like.device, requires_grad=True),
                 torch.zeros(3, 1, tokens, dtype=torch.long, device=like.device),
-                torch.tensor([0] + [tokens] * MAX_SEGMENTS, dtype=torch.int32, device=like.device))
+                torch.tensor([0] + [tokens] * MAX_SEGMENTS, dtype=torch.int32, device=like.device),
+                torch.zeros(1, tokens, dtype=torch.bool, device=like.device))
         stack = _Stack(self.thinker, tokens)
         torch.cuda.synchronize()
         # the GPT model's embedding and output layer are in its parameters but not in this graph
@@ -243,7 +249,8 @@ class MicroBatchGraphs:
         cu += [b] * (MAX_SEGMENTS + 1 - len(cu))  # zero-length segments up to the buffer's size
         from model_bridge.modeling.thd import ints_to_device
 
-        out = graphed(decoder_input, position_ids, ints_to_device(cu, decoder_input.device))
+        padding_1T = (torch.arange(b, device=decoder_input.device) >= T).view(1, b)
+        out = graphed(decoder_input, position_ids, ints_to_device(cu, decoder_input.device), padding_1T)
         self.replays += 1
         return out[:T] if pad else out
 

@@ -116,6 +116,51 @@ def test_bucket_padding_gives_the_thinkers_hidden_states(tiny_ckpt):
     assert max(d for _, _, d in res) < 1e-5, res
 
 
+def _aux_loss_padded_rank(hf_dir: str, budget: int) -> list[tuple[int, int, list[float], list[float]]]:
+    """Per micro-batch that the bucket pads: the MoE load-balancing loss of each layer through the
+    bucketed path and through the thinker's own forward (CPU, fp32, training mode)."""
+    from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker,
+                                                         get_moe_layer_wise_logging_tracker)
+
+    from megatron_grpo.engine.forward import _graphed_forward
+    from megatron_grpo.engine.setup import build_engine, unwrapped
+    from model_bridge.config import ParallelLayout
+    from model_bridge.parallel import init_parallel
+
+    init_parallel(seed=1234)
+    engine = build_engine(hf_dir, ParallelLayout(), dtype=torch.float32)
+    thinker = unwrapped(engine.model[0])
+    thinker.train()
+    graphs = EagerBuckets(thinker, budget)
+
+    def losses() -> list[float]:
+        values = get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"].tolist()
+        clear_aux_losses_tracker()
+        return values
+
+    out = []
+    clear_aux_losses_tracker()
+    for m in _microbatches(engine, hf_dir, budget):
+        b = graphs.bucket(m.num_tokens, 1)
+        if b == m.num_tokens:
+            continue
+        thinker(m.input_ids_T.unsqueeze(0), m.position_ids(), packed_seq_params=m.packed_seq_params(),
+                audio_features=m.audio_features, audio_feature_lens=m.audio_feature_lens, clip_use=m.clip_use,
+                return_hidden=True)
+        ref = losses()
+        _graphed_forward(graphs, thinker, m, m)
+        out.append((m.num_tokens, b, losses(), ref))
+    return out
+
+
+def test_bucket_padding_stays_out_of_the_load_balancing_loss(tiny_ckpt):
+    res = run_ranks(_aux_loss_padded_rank, 1, str(tiny_ckpt), 512, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=600)[0]
+    assert res, "no micro-batch was padded to its bucket"
+    for T, b, got, ref in res:
+        assert any(v > 0 for v in ref), (T, b, ref)  # the loss is on (the tiny checkpoint's coefficient)
+        assert got == pytest.approx(ref, rel=1e-5, abs=1e-7), (T, b, got, ref)
+
+
 def _graph_vs_eager_rank(hf_dir: str, budget: int, steps: int = 3) -> dict:
     """Three engines from one checkpoint (bf16, GPU): graphs, and twice the same bucketed path
     eagerly; ``steps`` train steps each on the same micro-batches. Per step: hidden states of the
