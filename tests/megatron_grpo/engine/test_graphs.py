@@ -86,10 +86,8 @@ def _microbatches(engine, hf_dir, budget):
     return build_train_microbatches(trajs, plan, 0, packing, featurize=featurize, n_window=engine.spec.audio.n_window)
 
 
-def _padded_hidden_rank(hf_dir: str, budget: int) -> list[float]:
-    """Largest |difference| per micro-batch between the bucketed path's hidden states and the
-    thinker's own (``forward(return_hidden=True)``), on the CPU in fp32."""
-    from megatron_grpo.engine.forward import _graphed_forward
+def _cpu_buckets(hf_dir: str, budget: int):
+    """``(engine, thinker, EagerBuckets)`` of the checkpoint on the CPU in fp32."""
     from megatron_grpo.engine.setup import build_engine, unwrapped
     from model_bridge.config import ParallelLayout
     from model_bridge.parallel import init_parallel
@@ -97,13 +95,26 @@ def _padded_hidden_rank(hf_dir: str, budget: int) -> list[float]:
     init_parallel(seed=1234)
     engine = build_engine(hf_dir, ParallelLayout(), dtype=torch.float32)
     thinker = unwrapped(engine.model[0])
-    graphs = EagerBuckets(thinker, budget)
+    return engine, thinker, EagerBuckets(thinker, budget)
+
+
+def _unpadded(thinker, m) -> torch.Tensor:
+    """The thinker's own final hidden states of micro-batch ``m`` (``forward(return_hidden=True)``)."""
+    return thinker(m.input_ids_T.unsqueeze(0), m.position_ids(), packed_seq_params=m.packed_seq_params(),
+                   audio_features=m.audio_features, audio_feature_lens=m.audio_feature_lens, clip_use=m.clip_use,
+                   return_hidden=True)
+
+
+def _padded_hidden_rank(hf_dir: str, budget: int) -> list[float]:
+    """Largest |difference| per micro-batch between the bucketed path's hidden states and the
+    thinker's own, on the CPU in fp32."""
+    from megatron_grpo.engine.forward import _graphed_forward
+
+    engine, thinker, graphs = _cpu_buckets(hf_dir, budget)
     out = []
     with torch.no_grad():
         for m in _microbatches(engine, hf_dir, budget):
-            ref = thinker(m.input_ids_T.unsqueeze(0), m.position_ids(), packed_seq_params=m.packed_seq_params(),
-                          audio_features=m.audio_features, audio_feature_lens=m.audio_feature_lens, clip_use=m.clip_use,
-                          return_hidden=True)
+            ref = _unpadded(thinker, m)
             got = _graphed_forward(graphs, thinker, m, m)
             assert got.shape == ref.shape
             out.append((m.num_tokens, graphs.bucket(m.num_tokens, 1), float((got - ref).abs().max())))
@@ -123,15 +134,9 @@ def _aux_loss_padded_rank(hf_dir: str, budget: int) -> list[tuple[int, int, list
                                                          get_moe_layer_wise_logging_tracker)
 
     from megatron_grpo.engine.forward import _graphed_forward
-    from megatron_grpo.engine.setup import build_engine, unwrapped
-    from model_bridge.config import ParallelLayout
-    from model_bridge.parallel import init_parallel
 
-    init_parallel(seed=1234)
-    engine = build_engine(hf_dir, ParallelLayout(), dtype=torch.float32)
-    thinker = unwrapped(engine.model[0])
+    engine, thinker, graphs = _cpu_buckets(hf_dir, budget)
     thinker.train()
-    graphs = EagerBuckets(thinker, budget)
 
     def losses() -> list[float]:
         values = get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"].tolist()
@@ -144,9 +149,7 @@ def _aux_loss_padded_rank(hf_dir: str, budget: int) -> list[tuple[int, int, list
         b = graphs.bucket(m.num_tokens, 1)
         if b == m.num_tokens:
             continue
-        thinker(m.input_ids_T.unsqueeze(0), m.position_ids(), packed_seq_params=m.packed_seq_params(),
-                audio_features=m.audio_features, audio_feature_lens=m.audio_feature_lens, clip_use=m.clip_use,
-                return_hidden=True)
+        _unpadded(thinker, m)
         ref = losses()
         _graphed_forward(graphs, thinker, m, m)
         out.append((m.num_tokens, b, losses(), ref))
