@@ -12,13 +12,24 @@ accumulation, the distributed optimizer and grad clipping see the same buffers).
 Buckets: a micro-batch of ``T`` tokens runs in the smallest bucket ``T_b >= T`` among the multiples
 of ``budget / 4`` up to the token budget (4 shapes, all graphs in one memory pool: the schedule runs
 one micro-batch's forward and backward before the next one starts, so they never overlap). Its
-decoder input gets ``T_b - T`` zero rows as one more padding segment, the segment offsets are padded
-to a fixed ``MAX_SEGMENTS + 1`` entries with zero-length segments, and ``varlen_attn`` runs with
-``max_seqlen = T_b``: the graph reads the offsets from a device buffer that each replay refills, so
-one capture serves every packing. The padding rows attend only to themselves and get no loss; they
-do go through the router, but a padding mask (True on the bucket's rows) keeps them out of the
-MoE load-balancing and z losses, which therefore equal the unpadded micro-batch's (the packer's own
-padding tokens count there, as in an eager micro-batch).
+decoder input gets ``T_b - T`` zero rows as more padding segments, the segment offsets are padded
+to a fixed ``MAX_SEGMENTS + 1`` entries with zero-length segments, and the graph reads them from a
+device buffer that each replay refills, so one capture serves every packing. The padding rows
+attend only within their own segment and get no loss; they do go through the router, but a padding
+mask (True on the bucket's rows) keeps them out of the MoE load-balancing and z losses, which
+therefore equal the unpadded micro-batch's (the packer's own padding tokens count there, as in an
+eager micro-batch).
+
+Segment bound: flash's varlen kernels launch ``ceil(max_seqlen / 128) x segments x heads`` thread
+blocks and a block past its segment's end exits at once, so ``max_seqlen`` fixes the captured
+attention's grid. With ``max_seqlen = T_b`` and ``MAX_SEGMENTS`` offsets, a 65,536-token bucket
+launches ~1 M blocks per attention call against ~30 k for the same micro-batch eagerly (~20 samples
+of at most ~5 k tokens), 24 such calls per 4-layer step: what the graphs' 0.90x of eager at that
+budget points to (docs/performance.md, "Training phase"). Each bucket's
+graph is therefore captured for a segment bound ``L`` (:func:`graph_seqlen`: a power of two, at least
+the longest segment seen in that bucket), the bucket padding is cut into segments of at most ``L``
+(:func:`bucket_offsets`), and a micro-batch with a longer segment recaptures its bucket's graph with
+a larger bound (logged; the bound only grows, so a run recaptures a bucket a few times at most).
 
 Falls back to eager, with one logged reason, where graphs cannot apply: no CUDA; pipeline
 parallelism (PP > 1: megatron's 1F1B exchanges activations between stages around each forward);
@@ -39,8 +50,9 @@ import torch
 
 from . import grad_accum
 
-__all__ = ["MicroBatchGraphs", "graph_fallback_reason", "bucket_sizes", "enable_graphs", "trainer_stream",
-           "capture_stream", "warm_up_on_capture_stream", "MAX_SEGMENTS"]
+__all__ = ["MicroBatchGraphs", "graph_fallback_reason", "bucket_sizes", "bucket_offsets", "graph_seqlen",
+           "segment_bound", "enable_graphs", "trainer_stream", "capture_stream", "warm_up_on_capture_stream",
+           "MAX_SEGMENTS"]
 
 log = logging.getLogger("megatron_grpo.engine.graphs")
 
@@ -48,6 +60,8 @@ MAX_SEGMENTS = 64
 """Segments (samples plus padding) a graphed micro-batch may have: the offsets buffer's fixed size."""
 BUCKETS_PER_BUDGET = 4
 """Bucket shapes: the multiples of ``budget / BUCKETS_PER_BUDGET`` up to the budget."""
+MIN_SEQLEN = 128
+"""Smallest segment bound of a graph: flash's row block (a smaller bound launches no fewer blocks)."""
 
 
 @contextlib.contextmanager
@@ -103,16 +117,53 @@ def bucket_sizes(budget: int, multiple: int = 1) -> list[int]:
     return sorted(set(out))
 
 
+def segment_bound(host_cu, tokens: int) -> int:
+    """The longest segment a ``tokens``-token bucket's graph must take for a micro-batch with offsets
+    ``host_cu`` (host ints, last = its token count): its longest sample, and its bucket padding cut
+    over the offsets' free slots."""
+    cu = [int(x) for x in host_cu]
+    need = max((b - a for a, b in zip(cu, cu[1:])), default=0)
+    pad = tokens - cu[-1]
+    if pad > 0:
+        free = MAX_SEGMENTS - (len(cu) - 1)
+        if free < 1:
+            raise ValueError(f"{len(cu) - 1} segments leave no slot for the bucket padding (at most "
+                             f"{MAX_SEGMENTS - 1})")
+        need = max(need, -(-pad // free))
+    return need
+
+
+def graph_seqlen(need: int, tokens: int) -> int:
+    """The segment bound a ``tokens``-token bucket's graph is captured with for segments of up to
+    ``need`` tokens: the next power of two (a little headroom, so a bucket recaptures rarely), at
+    least :data:`MIN_SEQLEN` and ``tokens / MAX_SEGMENTS`` (so ``MAX_SEGMENTS`` segments cover the
+    bucket), at most ``tokens``."""
+    floor = max(MIN_SEQLEN, -(-tokens // MAX_SEGMENTS), int(need))
+    return min(tokens, 1 << (floor - 1).bit_length())
+
+
+def bucket_offsets(host_cu, tokens: int, seqlen: int) -> list[int]:
+    """The ``MAX_SEGMENTS + 1`` offsets a graph of a ``tokens``-token bucket with segment bound
+    ``seqlen`` replays a micro-batch with: its own (``host_cu``), then its bucket padding
+    ``[T, tokens)`` in segments of at most ``seqlen`` tokens, then zero-length segments."""
+    cu = [int(x) for x in host_cu]
+    if segment_bound(cu, tokens) > seqlen:
+        raise ValueError(f"a segment of {segment_bound(cu, tokens)} tokens exceeds the graph's bound {seqlen}")
+    while cu[-1] < tokens:
+        cu.append(min(tokens, cu[-1] + seqlen))
+    return cu + [tokens] * (MAX_SEGMENTS + 1 - len(cu))
+
+
 class _Stack(torch.nn.Module):
     """The thinker's decoder stack for one bucket shape: ``(decoder_input [T_b, 1, h], position_ids
     [3, 1, T_b], cu_seqlens int32 [MAX_SEGMENTS + 1], padding_mask bool [1, T_b]) -> final-normed
-    hidden [T_b, 1, h]``."""
+    hidden [T_b, 1, h]``, for segments of at most ``seqlen`` tokens (the attention's ``max_seqlen``)."""
 
-    def __init__(self, thinker, tokens: int):
+    def __init__(self, thinker, tokens: int, seqlen: int):
         super().__init__()
         self.lm = thinker.language_model
         self.thinker = [thinker]  # not a submodule: only the decoder's parameters belong to the graph
-        self.tokens = tokens
+        self.tokens, self.seqlen = tokens, seqlen
         # the host copy the attention plans with: one segment over the whole bucket, so the plan is
         # the same for every packing (n_real = T_b, no compaction) and the kernel reads the real
         # offsets from the device buffer
@@ -124,7 +175,7 @@ class _Stack(torch.nn.Module):
         from model_bridge.modeling.thd import attach_host_offsets
 
         psp = attach_host_offsets(PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
-                                                  max_seqlen_q=self.tokens, max_seqlen_kv=self.tokens), self.host_cu)
+                                                  max_seqlen_q=self.seqlen, max_seqlen_kv=self.seqlen), self.host_cu)
         self.lm.post_process = False  # GPTModel then returns the decoder's final-normed output
         try:
             # padding_mask [1, T_b] (True: the bucket's padding rows): megatron's routers leave those
@@ -178,6 +229,10 @@ class MicroBatchGraphs:
         self.thinker = thinker
         self.buckets = bucket_sizes(budget, multiple)
         self.graphed: dict[int, object] = {}
+        self.seqlen: dict[int, int] = {}
+        """Segment bound of each bucket's graph (:func:`graph_seqlen`)."""
+        self.captures = 0
+        """Graphs captured, recaptures with a larger segment bound included."""
         self.pool = None
         self._noted: set[str] = set()
         self.replays = 0
@@ -199,7 +254,7 @@ class MicroBatchGraphs:
         self._note("oversized", f"{tokens} tokens exceed the token budget {self.buckets[-1]} (an oversized sample)")
         return None
 
-    def _capture(self, tokens: int, like: torch.Tensor):
+    def _capture(self, tokens: int, seqlen: int, like: torch.Tensor):
         from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler,
                                                              get_moe_layer_wise_logging_tracker)
 
@@ -212,9 +267,9 @@ class MicroBatchGraphs:
         h = like.shape[-1]
         args = (torch.zeros(tokens, 1, h, dtype=like.dtype, device=like.device, requires_grad=True),
                 torch.zeros(3, 1, tokens, dtype=torch.long, device=like.device),
-                torch.tensor([0] + [tokens] * MAX_SEGMENTS, dtype=torch.int32, device=like.device),
+                torch.tensor(bucket_offsets([0], tokens, seqlen), dtype=torch.int32, device=like.device),
                 torch.zeros(1, tokens, dtype=torch.bool, device=like.device))
-        stack = _Stack(self.thinker, tokens)
+        stack = _Stack(self.thinker, tokens, seqlen)
         torch.cuda.synchronize()
         # the GPT model's embedding and output layer are in its parameters but not in this graph
         with grad_accum.paused():  # the warm-up and capture take parameter gradients without accumulating
@@ -226,7 +281,8 @@ class MicroBatchGraphs:
                 v["values"].copy_(saved[k])
             else:
                 v["values"].zero_()
-        log.info("trainer.cuda_graphs: captured the decoder stack for %d-token micro-batches", tokens)
+        log.info("trainer.cuda_graphs: captured the decoder stack for %d-token micro-batches, segments of up "
+                 "to %d tokens", tokens, seqlen)
         return graphed
 
     def run(self, decoder_input: torch.Tensor, position_ids: torch.Tensor, host_cu) -> Optional[torch.Tensor]:
@@ -238,15 +294,21 @@ class MicroBatchGraphs:
         if b is None:
             self.eager += 1
             return None
+        need = segment_bound(cu, b)
         graphed = self.graphed.get(b)
-        if graphed is None:
-            graphed = self.graphed[b] = self._capture(b, decoder_input)
+        if graphed is None or need > self.seqlen[b]:
+            if graphed is not None:
+                log.info("trainer.cuda_graphs: a segment of %d tokens exceeds the %d-token bucket's bound %d: "
+                         "recapturing", need, b, self.seqlen[b])
+                del self.graphed[b], graphed  # its static buffers go back to the pool before the capture
+            self.seqlen[b] = graph_seqlen(need, b)
+            graphed = self.graphed[b] = self._capture(b, self.seqlen[b], decoder_input)
+            self.captures += 1
         pad = b - T
         if pad:
             decoder_input = torch.cat([decoder_input, decoder_input.new_zeros(pad, *decoder_input.shape[1:])])
             position_ids = torch.cat([position_ids, position_ids.new_zeros(3, 1, pad)], dim=-1)
-            cu.append(b)  # the bucket's padding: one more segment
-        cu += [b] * (MAX_SEGMENTS + 1 - len(cu))  # zero-length segments up to the buffer's size
+        cu = bucket_offsets(cu, b, self.seqlen[b])  # padding segments, then zero-length ones
         from model_bridge.modeling.thd import ints_to_device
 
         padding_1T = (torch.arange(b, device=decoder_input.device) >= T).view(1, b)

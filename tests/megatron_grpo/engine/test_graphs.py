@@ -1,9 +1,10 @@
 """CUDA graphs for the trainer's micro-batches (``engine/graphs.py``).
 
-CPU: the fallback reasons, the bucket shapes, the per-micro-batch eager cases, and the bucket
-padding itself (decoder input padded to the bucket, offsets padded with zero-length segments, the
-one-segment host plan) giving the thinker's own hidden states, through the same code with the
-capture replaced by the eager module. GPU: the trainer with graphs against the trainer with the
+CPU: the fallback reasons, the bucket shapes, the per-micro-batch eager cases, the segment bound
+of a bucket's graph (its padding segments, recapture when a longer segment comes), and the bucket
+padding itself (decoder input padded to the bucket, offsets padded with padding and zero-length
+segments, the one-segment host plan) giving the thinker's own hidden states, through the same code
+with the capture replaced by the eager module. GPU: the trainer with graphs against the trainer with the
 same bucketed micro-batches run eagerly, over 3 steps with the optimizer: the final hidden states
 bit-equal, the gradients within eager's run-to-run spread.
 """
@@ -14,7 +15,8 @@ import logging
 import pytest
 import torch
 
-from megatron_grpo.engine.graphs import MAX_SEGMENTS, MicroBatchGraphs, bucket_sizes, graph_fallback_reason
+from megatron_grpo.engine.graphs import (MAX_SEGMENTS, MicroBatchGraphs, bucket_offsets, bucket_sizes,
+                                         graph_fallback_reason, graph_seqlen, segment_bound)
 from model_bridge.spawn import run_ranks
 
 
@@ -44,6 +46,73 @@ def test_bucket_sizes():
     assert bucket_sizes(6) == [2, 4, 6]
 
 
+def test_segment_bound_is_the_longest_sample_or_the_padding_over_the_free_slots():
+    assert segment_bound([0, 300, 700, 1000], 4096) == 400  # 3,096 padding rows over 61 free slots: 51 each
+    assert segment_bound([0, 4096], 4096) == 4096
+    full = list(range(0, 63 * 10 + 1, 10))  # 63 samples of 10 tokens: one slot left for all of the padding
+    assert segment_bound(full, 4096) == 4096 - 630
+    with pytest.raises(ValueError, match=r"^64 segments leave no slot for the bucket padding \(at most 63\)$"):
+        segment_bound(list(range(0, 64 * 10 + 1, 10)), 4096)
+
+
+def test_graph_seqlen_is_a_power_of_two_within_the_bucket():
+    assert graph_seqlen(400, 4096) == 512
+    assert graph_seqlen(5000, 65536) == 8192
+    assert graph_seqlen(10, 65536) == 1024  # MAX_SEGMENTS segments of the bound cover the bucket
+    assert graph_seqlen(10, 512) == 128  # flash's row block
+    assert graph_seqlen(3000, 3072) == 3072  # never above the bucket (a bucket need not be a power of two)
+
+
+def test_bucket_offsets_cut_the_padding_into_segments_within_the_bound():
+    cu = bucket_offsets([0, 300, 700, 1000], 4096, 512)
+    assert len(cu) == MAX_SEGMENTS + 1 and cu[:4] == [0, 300, 700, 1000] and cu[-1] == 4096
+    lens = [b - a for a, b in zip(cu, cu[1:])]
+    assert all(n >= 0 for n in lens) and max(lens) == 512 and sum(lens) == 4096
+    assert lens[3:10] == [512] * 6 + [24] and set(lens[10:]) == {0}
+    assert bucket_offsets([0, 4096], 4096, 4096) == [0] + [4096] * MAX_SEGMENTS
+    with pytest.raises(ValueError, match=r"^a segment of 400 tokens exceeds the graph's bound 256$"):
+        bucket_offsets([0, 300, 700, 1000], 4096, 256)
+
+
+class _Recording(MicroBatchGraphs):
+    """Captures nothing: each "graph" records the offsets it is replayed with."""
+
+    def __init__(self, budget):
+        super().__init__(thinker=None, budget=budget)
+        self.calls = []
+
+    def _capture(self, tokens, seqlen, like):
+        def graphed(x, pos, cu, pad):
+            self.calls.append((tokens, seqlen, cu.tolist(), int(pad.sum())))
+            return x
+        return graphed
+
+
+def test_a_longer_segment_recaptures_the_buckets_graph_with_a_larger_bound(caplog):
+    g = _Recording(4096)
+    h = torch.zeros(1000, 1, 8)
+    pos = torch.zeros(3, 1, 1000, dtype=torch.long)
+    with caplog.at_level(logging.INFO, logger="megatron_grpo.engine.graphs"):
+        assert g.run(h, pos, [0, 100, 1000]).shape == h.shape  # 900 tokens: bound 1024
+        assert g.run(h[:300], pos[..., :300], [0, 200, 300]) is not None  # same bucket, within the bound
+        assert g.run(h[:300], pos[..., :300], [0, 300]) is not None
+    assert g.captures == 1 and g.seqlen == {1024: 1024} and g.replays == 3
+    g = _Recording(4096)
+    with caplog.at_level(logging.INFO, logger="megatron_grpo.engine.graphs"):
+        caplog.clear()
+        g.run(h[:300], pos[..., :300], [0, 200, 300])  # bucket 1024, bound 256 (the padding in 3 segments)
+        g.run(h[:900], pos[..., :900], [0, 600, 900])  # a 600-token sample: recapture with 1024
+        g.run(h[:300], pos[..., :300], [0, 200, 300])  # the bound only grows
+    assert g.captures == 2 and g.seqlen == {1024: 1024}
+    (t1, s1, cu1, pad1), (t2, s2, cu2, pad2), (t3, s3, cu3, pad3) = g.calls
+    assert (t1, s1, pad1) == (1024, 256, 724) and cu1[:3] == [0, 200, 300]
+    assert max(b - a for a, b in zip(cu1, cu1[1:])) <= 256 and cu1[-1] == 1024
+    assert (t2, s2, pad2) == (1024, 1024, 124) and cu2[:4] == [0, 600, 900, 1024]
+    assert (t3, s3, pad3) == (1024, 1024, 724) and cu3[:4] == [0, 200, 300, 1024]
+    assert "trainer.cuda_graphs: a segment of 600 tokens exceeds the 1024-token bucket's bound 256: recapturing" \
+        in caplog.messages
+
+
 def test_micro_batches_that_run_eagerly_are_logged_once(caplog):
     g = MicroBatchGraphs(thinker=None, budget=4096)
     with caplog.at_level(logging.WARNING, logger="megatron_grpo.engine.graphs"):
@@ -60,10 +129,10 @@ def test_micro_batches_that_run_eagerly_are_logged_once(caplog):
 class EagerBuckets(MicroBatchGraphs):
     """The bucketed path with the capture replaced by the eager module (same padding, same offsets)."""
 
-    def _capture(self, tokens, like):
+    def _capture(self, tokens, seqlen, like):
         from megatron_grpo.engine.graphs import _Stack
 
-        return _Stack(self.thinker, tokens)
+        return _Stack(self.thinker, tokens, seqlen)
 
 
 def _trajectories(spec, budget, n=8, seed=0):
@@ -105,26 +174,31 @@ def _unpadded(thinker, m) -> torch.Tensor:
                    return_hidden=True)
 
 
-def _padded_hidden_rank(hf_dir: str, budget: int) -> list[float]:
+def _padded_hidden_rank(hf_dir: str, budget: int, graph_budget: int) -> list[float]:
     """Largest |difference| per micro-batch between the bucketed path's hidden states and the
-    thinker's own, on the CPU in fp32."""
+    thinker's own, on the CPU in fp32 (micro-batches packed to ``budget``, buckets of ``graph_budget``)."""
     from megatron_grpo.engine.forward import _graphed_forward
 
-    engine, thinker, graphs = _cpu_buckets(hf_dir, budget)
+    engine, thinker, graphs = _cpu_buckets(hf_dir, graph_budget)
     out = []
     with torch.no_grad():
         for m in _microbatches(engine, hf_dir, budget):
             ref = _unpadded(thinker, m)
             got = _graphed_forward(graphs, thinker, m, m)
             assert got.shape == ref.shape
-            out.append((m.num_tokens, graphs.bucket(m.num_tokens, 1), float((got - ref).abs().max())))
+            b = graphs.bucket(m.num_tokens, 1)
+            out.append((m.num_tokens, b, graphs.seqlen[b], float((got - ref).abs().max())))
     return out
 
 
-def test_bucket_padding_gives_the_thinkers_hidden_states(tiny_ckpt):
-    res = run_ranks(_padded_hidden_rank, 1, str(tiny_ckpt), 512, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=600)[0]
-    assert len(res) >= 2 and any(T < b for T, b, _ in res)  # some micro-batches were padded to their bucket
-    assert max(d for _, _, d in res) < 1e-5, res
+@pytest.mark.parametrize("graph_budget", [512, 4096])
+def test_bucket_padding_gives_the_thinkers_hidden_states(tiny_ckpt, graph_budget):
+    res = run_ranks(_padded_hidden_rank, 1, str(tiny_ckpt), 512, graph_budget, env={"CUDA_VISIBLE_DEVICES": ""},
+                    timeout=600)[0]
+    assert len(res) >= 2 and any(T < b for T, b, _, _ in res)  # some micro-batches were padded to their bucket
+    if graph_budget > 512:  # buckets of 1,024 tokens: the padding takes several segments of the bound
+        assert all(b - T > bound for T, b, bound, _ in res), res
+    assert max(d for _, _, _, d in res) < 1e-5, res
 
 
 def _aux_loss_padded_rank(hf_dir: str, budget: int) -> list[tuple[int, int, list[float], list[float]]]:
