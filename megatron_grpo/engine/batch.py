@@ -331,6 +331,9 @@ def build_train_microbatches(trajectories: Sequence, plan: PackPlan, dp_rank: in
     advantages_N = torch.as_tensor(advantages_N, dtype=torch.float32).reshape(-1)
     if advantages_N.shape[0] != n:
         raise ValueError(f"advantages_N has {advantages_N.shape[0]} values for {n} samples")
+    out, clip_features = [], {}
+    # first: a device featurizer's copy and kernels then run while the host packs the tokens
+    _featurize_step(trajectories, mine, featurize, clip_features)
     ids = {i: trajectories[i].input_ids_T for i in mine}  # the packer makes them tensors (packing.as_1d)
     masks = {i: trajectories[i].loss_mask_T for i in mine}
     mbs = build_rank_microbatches(plan, dp_rank, ids, masks, config)
@@ -341,8 +344,6 @@ def build_train_microbatches(trajectories: Sequence, plan: PackPlan, dp_rank: in
         if len(ref_logprobs_by_sample) != n:
             raise ValueError(f"ref_logprobs_by_sample has {len(ref_logprobs_by_sample)} entries for {n} samples")
         refs = [torch.as_tensor(r, dtype=torch.float32) for r in ref_logprobs_by_sample]
-    out, clip_features = [], {}
-    _featurize_step(trajectories, mine, featurize, clip_features)
     pool = keep_shared > 0  # every clip through SharedClips: a tower call per batch, not per micro-batch
     shared_ix, span = _clip_uses(mbs, trajectories, share_clips, pool)
     shared_feats: dict[int, torch.Tensor] = {}
