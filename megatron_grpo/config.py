@@ -168,7 +168,8 @@ class TrainerSection:
     (CPU, PP > 1, EP > 1, TP > 1, recomputation, a non-torch layer spec). Off by default: at the
     GPU's default ``auto`` budget (large micro-batches, GPU-bound) graphs made the 4-layer phase
     slower (0.90x of eager); at 4,096-token budgets they made it 1.13x faster (one H200,
-    2026-12-04, docs/performance.md, "Training phase")."""
+    2026-12-04, docs/performance.md, "Training phase"). Both before each graph took its own segment
+    slots and bound (``engine/graphs.py``, "Segment bound and slots"), not yet re-measured."""
     shared_clips: bool = True
     """A clip several samples of a rank's step use (a GRPO group's recording) goes through the audio
     tower once per step: a first pass, then one backward of all its uses, through the first pass's

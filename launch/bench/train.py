@@ -136,7 +136,8 @@ def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16
                "mb_tokens": mb_tokens, "auto_budget": auto_budget, "host_features": host_features, "cuda_graphs": graphs is not None,
                "cuda_graphs_fallback": engine.graphs_fallback,
                "graph_buckets": sorted(graphs.graphed) if graphs else [],
-               "graph_segment_bounds": dict(sorted(graphs.seqlen.items())) if graphs else {},
+               "graph_shapes": {b: {"max_seqlen": sh.seqlen, "segment_slots": sh.slots}
+                                for b, sh in sorted(graphs.shapes.items())} if graphs else {},
                "graph_captures": graphs.captures if graphs else 0,
                "graph_replays": graphs.replays if graphs else 0, "graph_eager_micro_batches": graphs.eager if graphs else 0,
                "tokens_real": bench.real_tokens, "tokens_total": bench.total_tokens,

@@ -4,16 +4,18 @@
 #   launch/gpu/checks.sh OUT [STEP ...]
 #
 # STEP (default: tests layers2): tests | layers2 | layers2g | layers4 | layers8 | mb3072 | ep2 | ep4 | ep8 | ep8_16l
-#       | sync | train4 | train8
+#       | sync | train4 | train8 | graphs4 | graphs4_16k
 # * installs megatron-core from .whl/megatron_core-*.whl when it does not import (only that wheel:
 #   soundfile's wheel needs cffi, which the image lacks, and breaks librosa's import);
 # * tests: pytest -m gpu over the test files that have GPU tests (collecting all of tests/ fails
 #   there: some modules import vLLM at collection);
 # * layers*/mb3072/ep2/sync/train*: the benchmarks with the commands docs/performance.md quotes
-#   (train*: mgrpo bench train at 4 / 8 full-width layers; its generated checkpoint goes to /tmp);
+#   (train*: mgrpo bench train at 4 / 8 full-width layers; its generated checkpoint goes to /tmp;
+#   graphs4*: the training phase with and without trainer.cuda_graphs, one after the other on the same
+#   checkpoint and trajectories, at the auto budget / at 16,384 tokens);
 # every step has its own time limit and writes under OUT (logs, JSON, PNG, profiles).
 set -uo pipefail
-OUT=${1:?usage: launch/gpu/checks.sh OUT [tests|layers2|layers2g|layers4|layers8|mb3072|ep2|ep4|ep8|ep8_16l|sync|train4|train8 ...]}
+OUT=${1:?usage: launch/gpu/checks.sh OUT [tests|layers2|layers2g|layers4|layers8|mb3072|ep2|ep4|ep8|ep8_16l|sync|train4|train8|graphs4|graphs4_16k ...]}
 shift
 STEPS=("${@:-tests layers2}")
 mkdir -p "$OUT"
@@ -39,6 +41,12 @@ for step in ${STEPS[@]}; do
     layers2g) bench layers2g 300 layers --layers 2 --systems ours,ours_mb,ours_mb_graph --out "$OUT/layers2g" || rc=1 ;;
     train4) bench train4 540 train --layers 4 --out "$OUT/train4" --work-dir /tmp/bench_train || rc=1 ;;
     train8) bench train8 570 train --layers 8 --out "$OUT/train8" --work-dir /tmp/bench_train || rc=1 ;;
+    graphs4|graphs4_16k)
+      mb=auto; [ "$step" = graphs4_16k ] && mb=16384
+      for g in cuda-graphs no-cuda-graphs; do
+        bench "${step}_$g" 280 train --layers 4 --samples 64 --mb-tokens $mb --systems train,stack_lm --iters 2 \
+          --$g --out "$OUT/${step}_$g" --work-dir /tmp/bench_train || rc=1
+      done ;;
     layers4) bench layers4 300 layers --layers 4 --systems ours,ours_mb_rc,hf_bs1 --out "$OUT/layers4" || rc=1 ;;
     layers8) bench layers8 300 layers --layers 8 --systems ours --out "$OUT/layers8" || rc=1 ;;
     mb3072) bench mb3072 200 layers --layers 2 --systems ours_mb,ours_mb_rc,hf_bs1 --mb-tokens 3072 --out "$OUT/mb3072" || rc=1 ;;
@@ -47,7 +55,7 @@ for step in ${STEPS[@]}; do
     ep8) bench ep8 360 layers --layers 2 --ep 8 --hang-timeout 150 --timeout 340 --out "$OUT/ep8" || rc=1 ;;
     ep8_16l) bench ep8_16l 480 layers --layers 16 --ep 8 --hang-timeout 200 --timeout 460 --out "$OUT/ep8_16l" || rc=1 ;;
     sync) bench sync 420 sync --out "$OUT/sync" || rc=1 ;;
-    *) echo "unknown step $step (tests|layers2|layers2g|layers4|layers8|mb3072|ep2|ep4|ep8|ep8_16l|sync|train4|train8)"; rc=2 ;;
+    *) echo "unknown step $step (tests|layers2|layers2g|layers4|layers8|mb3072|ep2|ep4|ep8|ep8_16l|sync|train4|train8|graphs4|graphs4_16k)"; rc=2 ;;
   esac
 done
 exit $rc

@@ -13,23 +13,25 @@ Buckets: a micro-batch of ``T`` tokens runs in the smallest bucket ``T_b >= T`` 
 of ``budget / 4`` up to the token budget (4 shapes, all graphs in one memory pool: the schedule runs
 one micro-batch's forward and backward before the next one starts, so they never overlap). Its
 decoder input gets ``T_b - T`` zero rows as more padding segments, the segment offsets are padded
-to a fixed ``MAX_SEGMENTS + 1`` entries with zero-length segments, and the graph reads them from a
+to the graph's fixed number of slots with zero-length segments, and the graph reads them from a
 device buffer that each replay refills, so one capture serves every packing. The padding rows
 attend only within their own segment and get no loss; they do go through the router, but a padding
 mask (True on the bucket's rows) keeps them out of the MoE load-balancing and z losses, which
 therefore equal the unpadded micro-batch's (the packer's own padding tokens count there, as in an
 eager micro-batch).
 
-Segment bound: flash's varlen kernels launch ``ceil(max_seqlen / 128) x segments x heads`` thread
-blocks and a block past its segment's end exits at once, so ``max_seqlen`` fixes the captured
-attention's grid. With ``max_seqlen = T_b`` and ``MAX_SEGMENTS`` offsets, a 65,536-token bucket
-launches ~1 M blocks per attention call against ~30 k for the same micro-batch eagerly (~20 samples
-of at most ~5 k tokens), 24 such calls per 4-layer step: what the graphs' 0.90x of eager at that
-budget points to (docs/performance.md, "Training phase"). Each bucket's
-graph is therefore captured for a segment bound ``L`` (:func:`graph_seqlen`: a power of two, at least
-the longest segment seen in that bucket), the bucket padding is cut into segments of at most ``L``
-(:func:`bucket_offsets`), and a micro-batch with a longer segment recaptures its bucket's graph with
-a larger bound (logged; the bound only grows, so a run recaptures a bucket a few times at most).
+Segment bound and slots: flash's varlen kernels launch ``ceil(max_seqlen / 128) x segments x heads``
+thread blocks and a block past its segment's end exits at once, so ``max_seqlen`` and the number of
+offsets fix the captured attention's grid. With ``max_seqlen = T_b`` and 64 offsets, a 65,536-token
+bucket launches ~1 M blocks per attention call against ~30 k for the same micro-batch eagerly (~20
+samples of at most ~5 k tokens), 24 such calls per 4-layer step: what the graphs' 0.90x of eager at
+that budget points to (docs/performance.md, "Training phase"). Each bucket's graph is therefore
+captured for a :class:`GraphShape` (:func:`graph_shape`): a power-of-two number of segment slots
+above the micro-batch's samples and a power-of-two bound ``L`` at least its longest segment; the
+bucket padding is cut into segments of at most ``L`` (:meth:`GraphShape.offsets`); a micro-batch
+that does not fit recaptures its bucket's graph with a larger shape (logged; shapes only grow, so a
+run recaptures a bucket a few times at most). For that micro-batch: ``L / 128 x 32 x heads`` ~ 65 k
+blocks (``L`` = 8,192, 32 slots).
 
 Falls back to eager, with one logged reason, where graphs cannot apply: no CUDA; pipeline
 parallelism (PP > 1: megatron's 1F1B exchanges activations between stages around each forward);
@@ -44,13 +46,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from . import grad_accum
 
-__all__ = ["MicroBatchGraphs", "graph_fallback_reason", "bucket_sizes", "bucket_offsets", "graph_seqlen",
+__all__ = ["MicroBatchGraphs", "GraphShape", "graph_fallback_reason", "bucket_sizes", "graph_shape",
            "segment_bound", "enable_graphs", "trainer_stream", "capture_stream", "warm_up_on_capture_stream",
            "MAX_SEGMENTS"]
 
@@ -62,6 +65,8 @@ BUCKETS_PER_BUDGET = 4
 """Bucket shapes: the multiples of ``budget / BUCKETS_PER_BUDGET`` up to the budget."""
 MIN_SEQLEN = 128
 """Smallest segment bound of a graph: flash's row block (a smaller bound launches no fewer blocks)."""
+MIN_SLOTS = 8
+"""Fewest segment slots of a graph (a few more samples in a later step then need no recapture)."""
 
 
 @contextlib.contextmanager
@@ -117,57 +122,77 @@ def bucket_sizes(budget: int, multiple: int = 1) -> list[int]:
     return sorted(set(out))
 
 
-def segment_bound(host_cu, tokens: int) -> int:
-    """The longest segment a ``tokens``-token bucket's graph must take for a micro-batch with offsets
-    ``host_cu`` (host ints, last = its token count): its longest sample, and its bucket padding cut
-    over the offsets' free slots."""
+def _pow2(n: int) -> int:
+    return 1 << (max(1, int(n)) - 1).bit_length()
+
+
+def segment_bound(host_cu, tokens: int, slots: int = MAX_SEGMENTS) -> int:
+    """The longest segment a graph of a ``tokens``-token bucket with ``slots`` segment slots must take
+    for a micro-batch with offsets ``host_cu`` (host ints, last = its token count): its longest
+    sample, and its bucket padding cut over the free slots."""
     cu = [int(x) for x in host_cu]
     need = max((b - a for a, b in zip(cu, cu[1:])), default=0)
     pad = tokens - cu[-1]
     if pad > 0:
-        free = MAX_SEGMENTS - (len(cu) - 1)
+        free = slots - (len(cu) - 1)
         if free < 1:
             raise ValueError(f"{len(cu) - 1} segments leave no slot for the bucket padding (at most "
-                             f"{MAX_SEGMENTS - 1})")
+                             f"{slots - 1})")
         need = max(need, -(-pad // free))
     return need
 
 
-def graph_seqlen(need: int, tokens: int) -> int:
-    """The segment bound a ``tokens``-token bucket's graph is captured with for segments of up to
-    ``need`` tokens: the next power of two (a little headroom, so a bucket recaptures rarely), at
-    least :data:`MIN_SEQLEN` and ``tokens / MAX_SEGMENTS`` (so ``MAX_SEGMENTS`` segments cover the
+@dataclass(frozen=True)
+class GraphShape:
+    """What one captured graph of the decoder stack takes: ``tokens`` rows (the bucket), at most
+    ``slots`` segments (its offsets buffer holds ``slots + 1``), each of at most ``seqlen`` tokens
+    (the attention's ``max_seqlen``). Flash launches ``seqlen / 128 x slots x heads`` blocks per
+    attention call whatever the packing (module doc, "Segment bound")."""
+
+    tokens: int
+    seqlen: int
+    slots: int
+
+    def offsets(self, host_cu) -> list[int]:
+        """The ``slots + 1`` offsets this graph replays a micro-batch with: its own (``host_cu``), then
+        the bucket padding ``[T, tokens)`` in segments of at most ``seqlen`` tokens, then zero-length
+        segments."""
+        cu = [int(x) for x in host_cu]
+        need = segment_bound(cu, self.tokens, self.slots)
+        if need > self.seqlen:
+            raise ValueError(f"a segment of {need} tokens exceeds the graph's bound {self.seqlen}")
+        while cu[-1] < self.tokens:
+            cu.append(min(self.tokens, cu[-1] + self.seqlen))
+        return cu + [self.tokens] * (self.slots + 1 - len(cu))
+
+
+def graph_shape(host_cu, tokens: int, prev: Optional[GraphShape] = None) -> GraphShape:
+    """The shape a ``tokens``-token bucket's graph needs for a micro-batch with offsets ``host_cu``,
+    never smaller than ``prev`` (the bucket's current graph), so a bucket recaptures a few times at
+    most: slots a power of two above its segment count (at least :data:`MIN_SLOTS`, at most
+    :data:`MAX_SEGMENTS`), then a power-of-two bound at least its longest segment, the padding over
+    the free slots included, :data:`MIN_SEQLEN` and ``tokens / slots`` (so the slots cover the
     bucket), at most ``tokens``."""
-    floor = max(MIN_SEQLEN, -(-tokens // MAX_SEGMENTS), int(need))
-    return min(tokens, 1 << (floor - 1).bit_length())
-
-
-def bucket_offsets(host_cu, tokens: int, seqlen: int) -> list[int]:
-    """The ``MAX_SEGMENTS + 1`` offsets a graph of a ``tokens``-token bucket with segment bound
-    ``seqlen`` replays a micro-batch with: its own (``host_cu``), then its bucket padding
-    ``[T, tokens)`` in segments of at most ``seqlen`` tokens, then zero-length segments."""
-    cu = [int(x) for x in host_cu]
-    if segment_bound(cu, tokens) > seqlen:
-        raise ValueError(f"a segment of {segment_bound(cu, tokens)} tokens exceeds the graph's bound {seqlen}")
-    while cu[-1] < tokens:
-        cu.append(min(tokens, cu[-1] + seqlen))
-    return cu + [tokens] * (MAX_SEGMENTS + 1 - len(cu))
+    segments = len(host_cu) - 1
+    slots = min(MAX_SEGMENTS, max(prev.slots if prev else 0, _pow2(max(MIN_SLOTS, segments + 1))))
+    floor = max(MIN_SEQLEN, -(-tokens // slots), segment_bound(host_cu, tokens, slots))
+    return GraphShape(tokens, min(tokens, max(prev.seqlen if prev else 0, _pow2(floor))), slots)
 
 
 class _Stack(torch.nn.Module):
-    """The thinker's decoder stack for one bucket shape: ``(decoder_input [T_b, 1, h], position_ids
-    [3, 1, T_b], cu_seqlens int32 [MAX_SEGMENTS + 1], padding_mask bool [1, T_b]) -> final-normed
-    hidden [T_b, 1, h]``, for segments of at most ``seqlen`` tokens (the attention's ``max_seqlen``)."""
+    """The thinker's decoder stack for one :class:`GraphShape`: ``(decoder_input [T_b, 1, h],
+    position_ids [3, 1, T_b], cu_seqlens int32 [slots + 1], padding_mask bool [1, T_b]) ->
+    final-normed hidden [T_b, 1, h]``, segments of at most ``seqlen`` tokens (``max_seqlen``)."""
 
-    def __init__(self, thinker, tokens: int, seqlen: int):
+    def __init__(self, thinker, shape: GraphShape):
         super().__init__()
         self.lm = thinker.language_model
         self.thinker = [thinker]  # not a submodule: only the decoder's parameters belong to the graph
-        self.tokens, self.seqlen = tokens, seqlen
+        self.shape = shape
         # the host copy the attention plans with: one segment over the whole bucket, so the plan is
         # the same for every packing (n_real = T_b, no compaction) and the kernel reads the real
         # offsets from the device buffer
-        self.host_cu = (0,) + (tokens,) * MAX_SEGMENTS
+        self.host_cu = (0,) + (shape.tokens,) * shape.slots
 
     def forward(self, decoder_input, position_ids, cu_seqlens, padding_mask):
         from megatron.core.packed_seq_params import PackedSeqParams
@@ -175,7 +200,8 @@ class _Stack(torch.nn.Module):
         from model_bridge.modeling.thd import attach_host_offsets
 
         psp = attach_host_offsets(PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
-                                                  max_seqlen_q=self.seqlen, max_seqlen_kv=self.seqlen), self.host_cu)
+                                                  max_seqlen_q=self.shape.seqlen, max_seqlen_kv=self.shape.seqlen),
+                                  self.host_cu)
         self.lm.post_process = False  # GPTModel then returns the decoder's final-normed output
         try:
             # padding_mask [1, T_b] (True: the bucket's padding rows): megatron's routers leave those
@@ -229,10 +255,10 @@ class MicroBatchGraphs:
         self.thinker = thinker
         self.buckets = bucket_sizes(budget, multiple)
         self.graphed: dict[int, object] = {}
-        self.seqlen: dict[int, int] = {}
-        """Segment bound of each bucket's graph (:func:`graph_seqlen`)."""
+        self.shapes: dict[int, GraphShape] = {}
+        """Each bucket's graph's shape (:func:`graph_shape`)."""
         self.captures = 0
-        """Graphs captured, recaptures with a larger segment bound included."""
+        """Graphs captured, recaptures with a larger shape included."""
         self.pool = None
         self._noted: set[str] = set()
         self.replays = 0
@@ -254,7 +280,7 @@ class MicroBatchGraphs:
         self._note("oversized", f"{tokens} tokens exceed the token budget {self.buckets[-1]} (an oversized sample)")
         return None
 
-    def _capture(self, tokens: int, seqlen: int, like: torch.Tensor):
+    def _capture(self, shape: GraphShape, like: torch.Tensor):
         from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler,
                                                              get_moe_layer_wise_logging_tracker)
 
@@ -264,12 +290,12 @@ class MicroBatchGraphs:
         saved = {k: v["values"].clone() for k, v in get_moe_layer_wise_logging_tracker().items()}
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        h = like.shape[-1]
+        h, tokens = like.shape[-1], shape.tokens
         args = (torch.zeros(tokens, 1, h, dtype=like.dtype, device=like.device, requires_grad=True),
                 torch.zeros(3, 1, tokens, dtype=torch.long, device=like.device),
-                torch.tensor(bucket_offsets([0], tokens, seqlen), dtype=torch.int32, device=like.device),
+                torch.tensor(shape.offsets([0]), dtype=torch.int32, device=like.device),
                 torch.zeros(1, tokens, dtype=torch.bool, device=like.device))
-        stack = _Stack(self.thinker, tokens, seqlen)
+        stack = _Stack(self.thinker, shape)
         torch.cuda.synchronize()
         # the GPT model's embedding and output layer are in its parameters but not in this graph
         with grad_accum.paused():  # the warm-up and capture take parameter gradients without accumulating
@@ -281,8 +307,8 @@ class MicroBatchGraphs:
                 v["values"].copy_(saved[k])
             else:
                 v["values"].zero_()
-        log.info("trainer.cuda_graphs: captured the decoder stack for %d-token micro-batches, segments of up "
-                 "to %d tokens", tokens, seqlen)
+        log.info("trainer.cuda_graphs: captured the decoder stack for %d-token micro-batches, up to %d segments "
+                 "of up to %d tokens", tokens, shape.slots, shape.seqlen)
         return graphed
 
     def run(self, decoder_input: torch.Tensor, position_ids: torch.Tensor, host_cu) -> Optional[torch.Tensor]:
@@ -294,21 +320,24 @@ class MicroBatchGraphs:
         if b is None:
             self.eager += 1
             return None
-        need = segment_bound(cu, b)
+        prev = self.shapes.get(b)
+        shape = graph_shape(cu, b, prev)
         graphed = self.graphed.get(b)
-        if graphed is None or need > self.seqlen[b]:
+        if graphed is None or shape != prev:
             if graphed is not None:
-                log.info("trainer.cuda_graphs: a segment of %d tokens exceeds the %d-token bucket's bound %d: "
-                         "recapturing", need, b, self.seqlen[b])
+                log.info("trainer.cuda_graphs: a micro-batch of %d segments, the longest %d tokens, does not fit "
+                         "the %d-token bucket's graph (%d segments of up to %d tokens): recapturing for %d of "
+                         "up to %d", len(cu) - 1, max(b - a for a, b in zip(cu, cu[1:])), b, prev.slots,
+                         prev.seqlen, shape.slots, shape.seqlen)
                 del self.graphed[b], graphed  # its static buffers go back to the pool before the capture
-            self.seqlen[b] = graph_seqlen(need, b)
-            graphed = self.graphed[b] = self._capture(b, self.seqlen[b], decoder_input)
+            self.shapes[b] = shape
+            graphed = self.graphed[b] = self._capture(shape, decoder_input)
             self.captures += 1
         pad = b - T
         if pad:
             decoder_input = torch.cat([decoder_input, decoder_input.new_zeros(pad, *decoder_input.shape[1:])])
             position_ids = torch.cat([position_ids, position_ids.new_zeros(3, 1, pad)], dim=-1)
-        cu = bucket_offsets(cu, b, self.seqlen[b])  # padding segments, then zero-length ones
+        cu = shape.offsets(cu)  # then padding segments, then zero-length ones
         from model_bridge.modeling.thd import ints_to_device
 
         padding_1T = (torch.arange(b, device=decoder_input.device) >= T).view(1, b)

@@ -15,8 +15,8 @@ import logging
 import pytest
 import torch
 
-from megatron_grpo.engine.graphs import (MAX_SEGMENTS, MicroBatchGraphs, bucket_offsets, bucket_sizes,
-                                         graph_fallback_reason, graph_seqlen, segment_bound)
+from megatron_grpo.engine.graphs import (MAX_SEGMENTS, GraphShape, MicroBatchGraphs, bucket_sizes,
+                                         graph_fallback_reason, graph_shape, segment_bound)
 from model_bridge.spawn import run_ranks
 
 
@@ -48,30 +48,38 @@ def test_bucket_sizes():
 
 def test_segment_bound_is_the_longest_sample_or_the_padding_over_the_free_slots():
     assert segment_bound([0, 300, 700, 1000], 4096) == 400  # 3,096 padding rows over 61 free slots: 51 each
-    assert segment_bound([0, 4096], 4096) == 4096
+    assert segment_bound([0, 300, 700, 1000], 4096, 8) == 620  # over 5 free slots
+    assert segment_bound([0, 4096], 4096, 8) == 4096
     full = list(range(0, 63 * 10 + 1, 10))  # 63 samples of 10 tokens: one slot left for all of the padding
     assert segment_bound(full, 4096) == 4096 - 630
     with pytest.raises(ValueError, match=r"^64 segments leave no slot for the bucket padding \(at most 63\)$"):
         segment_bound(list(range(0, 64 * 10 + 1, 10)), 4096)
 
 
-def test_graph_seqlen_is_a_power_of_two_within_the_bucket():
-    assert graph_seqlen(400, 4096) == 512
-    assert graph_seqlen(5000, 65536) == 8192
-    assert graph_seqlen(10, 65536) == 1024  # MAX_SEGMENTS segments of the bound cover the bucket
-    assert graph_seqlen(10, 512) == 128  # flash's row block
-    assert graph_seqlen(3000, 3072) == 3072  # never above the bucket (a bucket need not be a power of two)
+def test_graph_shape_takes_power_of_two_slots_and_bound_and_only_grows():
+    assert graph_shape([0, 300, 700, 1000], 4096) == GraphShape(4096, 1024, 8)  # 620 over 5 slots; 4096/8
+    assert graph_shape([0, 300, 700, 1000], 65536) == GraphShape(65536, 16384, 8)  # the padding sets it
+    twenty = [0] + [3000 * (i + 1) for i in range(20)]  # 20 samples of 3,000 tokens
+    assert graph_shape(twenty, 65536) == GraphShape(65536, 4096, 32)
+    assert graph_shape(list(range(0, 400 * 63 + 1, 400)), 65536) == GraphShape(65536, 65536, 64)
+    assert graph_shape([0, 10], 512) == GraphShape(512, 128, 8)  # flash's row block
+    assert graph_shape([0, 3000], 3072) == GraphShape(3072, 3072, 8)  # never above the bucket
+    big = GraphShape(4096, 2048, 16)
+    assert graph_shape([0, 100, 200], 4096, big) == big  # a smaller micro-batch keeps the graph
+    assert graph_shape([0, 3000, 3100], 4096, big) == GraphShape(4096, 4096, 16)
 
 
-def test_bucket_offsets_cut_the_padding_into_segments_within_the_bound():
-    cu = bucket_offsets([0, 300, 700, 1000], 4096, 512)
-    assert len(cu) == MAX_SEGMENTS + 1 and cu[:4] == [0, 300, 700, 1000] and cu[-1] == 4096
+def test_graph_offsets_cut_the_padding_into_segments_within_the_bound():
+    cu = GraphShape(4096, 512, 64).offsets([0, 300, 700, 1000])
+    assert len(cu) == 65 and cu[:4] == [0, 300, 700, 1000] and cu[-1] == 4096
     lens = [b - a for a, b in zip(cu, cu[1:])]
     assert all(n >= 0 for n in lens) and max(lens) == 512 and sum(lens) == 4096
     assert lens[3:10] == [512] * 6 + [24] and set(lens[10:]) == {0}
-    assert bucket_offsets([0, 4096], 4096, 4096) == [0] + [4096] * MAX_SEGMENTS
+    assert GraphShape(4096, 4096, 8).offsets([0, 4096]) == [0] + [4096] * 8
     with pytest.raises(ValueError, match=r"^a segment of 400 tokens exceeds the graph's bound 256$"):
-        bucket_offsets([0, 300, 700, 1000], 4096, 256)
+        GraphShape(4096, 256, 64).offsets([0, 300, 700, 1000])
+    with pytest.raises(ValueError, match=r"^a segment of 620 tokens exceeds the graph's bound 512$"):
+        GraphShape(4096, 512, 8).offsets([0, 300, 700, 1000])  # the padding over 5 free slots
 
 
 class _Recording(MicroBatchGraphs):
@@ -81,36 +89,36 @@ class _Recording(MicroBatchGraphs):
         super().__init__(thinker=None, budget=budget)
         self.calls = []
 
-    def _capture(self, tokens, seqlen, like):
+    def _capture(self, shape, like):
         def graphed(x, pos, cu, pad):
-            self.calls.append((tokens, seqlen, cu.tolist(), int(pad.sum())))
+            self.calls.append((shape, cu.tolist(), int(pad.sum())))
             return x
         return graphed
 
 
-def test_a_longer_segment_recaptures_the_buckets_graph_with_a_larger_bound(caplog):
+def test_a_micro_batch_that_does_not_fit_recaptures_its_buckets_graph(caplog):
     g = _Recording(4096)
     h = torch.zeros(1000, 1, 8)
     pos = torch.zeros(3, 1, 1000, dtype=torch.long)
-    with caplog.at_level(logging.INFO, logger="megatron_grpo.engine.graphs"):
-        assert g.run(h, pos, [0, 100, 1000]).shape == h.shape  # 900 tokens: bound 1024
-        assert g.run(h[:300], pos[..., :300], [0, 200, 300]) is not None  # same bucket, within the bound
-        assert g.run(h[:300], pos[..., :300], [0, 300]) is not None
-    assert g.captures == 1 and g.seqlen == {1024: 1024} and g.replays == 3
+    assert g.run(h, pos, [0, 100, 1000]).shape == h.shape  # 900 tokens: bound 1024
+    assert g.run(h[:300], pos[..., :300], [0, 200, 300]) is not None  # same bucket, fits
+    assert g.captures == 1 and g.shapes == {1024: GraphShape(1024, 1024, 8)} and g.replays == 2
     g = _Recording(4096)
     with caplog.at_level(logging.INFO, logger="megatron_grpo.engine.graphs"):
-        caplog.clear()
-        g.run(h[:300], pos[..., :300], [0, 200, 300])  # bucket 1024, bound 256 (the padding in 3 segments)
-        g.run(h[:900], pos[..., :900], [0, 600, 900])  # a 600-token sample: recapture with 1024
-        g.run(h[:300], pos[..., :300], [0, 200, 300])  # the bound only grows
-    assert g.captures == 2 and g.seqlen == {1024: 1024}
-    (t1, s1, cu1, pad1), (t2, s2, cu2, pad2), (t3, s3, cu3, pad3) = g.calls
-    assert (t1, s1, pad1) == (1024, 256, 724) and cu1[:3] == [0, 200, 300]
-    assert max(b - a for a, b in zip(cu1, cu1[1:])) <= 256 and cu1[-1] == 1024
-    assert (t2, s2, pad2) == (1024, 1024, 124) and cu2[:4] == [0, 600, 900, 1024]
-    assert (t3, s3, pad3) == (1024, 1024, 724) and cu3[:4] == [0, 200, 300, 1024]
-    assert "trainer.cuda_graphs: a segment of 600 tokens exceeds the 1024-token bucket's bound 256: recapturing" \
-        in caplog.messages
+        g.run(h[:300], pos[..., :300], [0, 200, 300])  # bucket 1024: 8 slots of up to 256 tokens
+        g.run(h[:900], pos[..., :900], [0, 600, 900])  # a 600-token sample: recaptured with 1024
+        g.run(h[:300], pos[..., :300], [0, 200, 300])  # shapes only grow
+        nine = list(range(0, 901, 100))
+        g.run(h[:900], pos[..., :900], nine)  # 9 samples: 16 slots
+    assert g.captures == 3 and g.shapes == {1024: GraphShape(1024, 1024, 16)}
+    (s1, cu1, pad1), (s2, cu2, pad2), (s3, cu3, pad3), (s4, cu4, pad4) = g.calls
+    assert (s1, pad1) == (GraphShape(1024, 256, 8), 724) and len(cu1) == 9 and cu1[:3] == [0, 200, 300]
+    assert max(b - a for a, b in zip(cu1, cu1[1:])) == 256 and cu1[-1] == 1024
+    assert (s2, pad2) == (GraphShape(1024, 1024, 8), 124) and cu2 == [0, 600, 900] + [1024] * 6
+    assert (s3, pad3) == (s2, 724) and cu3 == [0, 200, 300] + [1024] * 6
+    assert (s4, pad4) == (GraphShape(1024, 1024, 16), 124) and cu4 == nine + [1024] * 7
+    assert ("trainer.cuda_graphs: a micro-batch of 2 segments, the longest 600 tokens, does not fit the 1024-token "
+            "bucket's graph (8 segments of up to 256 tokens): recapturing for 8 of up to 1024") in caplog.messages
 
 
 def test_micro_batches_that_run_eagerly_are_logged_once(caplog):
@@ -129,10 +137,10 @@ def test_micro_batches_that_run_eagerly_are_logged_once(caplog):
 class EagerBuckets(MicroBatchGraphs):
     """The bucketed path with the capture replaced by the eager module (same padding, same offsets)."""
 
-    def _capture(self, tokens, seqlen, like):
+    def _capture(self, shape, like):
         from megatron_grpo.engine.graphs import _Stack
 
-        return _Stack(self.thinker, tokens, seqlen)
+        return _Stack(self.thinker, shape)
 
 
 def _trajectories(spec, budget, n=8, seed=0):
@@ -187,7 +195,7 @@ def _padded_hidden_rank(hf_dir: str, budget: int, graph_budget: int) -> list[flo
             got = _graphed_forward(graphs, thinker, m, m)
             assert got.shape == ref.shape
             b = graphs.bucket(m.num_tokens, 1)
-            out.append((m.num_tokens, b, graphs.seqlen[b], float((got - ref).abs().max())))
+            out.append((m.num_tokens, b, graphs.shapes[b].seqlen, float((got - ref).abs().max())))
     return out
 
 
