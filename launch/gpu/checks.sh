@@ -46,7 +46,16 @@ for step in ${STEPS[@]}; do
       for g in cuda-graphs no-cuda-graphs; do
         bench "${step}_$g" 280 train --layers 4 --samples 64 --mb-tokens $mb --systems train,stack_lm --iters 2 \
           --$g --out "$OUT/${step}_$g" --work-dir /tmp/bench_train || rc=1
-      done ;;
+      done
+      python3 - "$OUT/${step}_cuda-graphs/bench_train.json" "$OUT/${step}_no-cuda-graphs/bench_train.json" <<'PY' || rc=1
+import json, sys
+g, e = (json.load(open(p)) for p in sys.argv[1:3])
+tg, te = g["systems"]["train"]["phase_s_median"], e["systems"]["train"]["phase_s_median"]
+print(f"graphs {tg * 1e3:.0f} ms, eager {te * 1e3:.0f} ms: graphs {te / tg:.3f}x; grad norms {g['systems']['train']['grad_norm_median']:.4g} / "
+      f"{e['systems']['train']['grad_norm_median']:.4g}; shapes {g['graph_shapes']}, captures {g['graph_captures']}; "
+      f"peak {g['peak_mem_gib']} / {e['peak_mem_gib']} GiB")
+PY
+      ;;
     layers4) bench layers4 300 layers --layers 4 --systems ours,ours_mb_rc,hf_bs1 --out "$OUT/layers4" || rc=1 ;;
     layers8) bench layers8 300 layers --layers 8 --systems ours --out "$OUT/layers8" || rc=1 ;;
     mb3072) bench mb3072 200 layers --layers 2 --systems ours_mb,ours_mb_rc,hf_bs1 --mb-tokens 3072 --out "$OUT/mb3072" || rc=1 ;;
