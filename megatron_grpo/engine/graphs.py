@@ -27,10 +27,11 @@ bucket launches ~1 M blocks per attention call against ~30 k for the same micro-
 samples of at most ~5 k tokens), 24 such calls per 4-layer step: what the graphs' 0.90x of eager at
 that budget points to (docs/performance.md, "Training phase"). Each bucket's graph is therefore
 captured for a :class:`GraphShape` (:func:`graph_shape`): a power-of-two number of segment slots
-above the micro-batch's samples and a power-of-two bound ``L`` at least its longest segment; the
-bucket padding is cut into segments of at most ``L`` (:meth:`GraphShape.offsets`); a micro-batch
-that does not fit recaptures its bucket's graph with a larger shape (logged; shapes only grow, so a
-run recaptures a bucket a few times at most). For that micro-batch: ``L / 128 x 32 x heads`` ~ 65 k
+above the micro-batch's segments and a power-of-two bound ``L`` at least its longest segment, the
+pair that launches the fewest blocks; the bucket padding is cut into segments of at most ``L``
+(:meth:`GraphShape.offsets`); a micro-batch that does not fit recaptures its bucket's graph with a
+larger shape (logged; shapes only grow, so a run recaptures a bucket at most ~``3 + log2(T_b /
+128)`` times, in practice in its first steps). For that micro-batch: ``L / 128 x 32 x heads`` ~ 65 k
 blocks (``L`` = 8,192, 32 slots).
 
 Falls back to eager, with one logged reason, where graphs cannot apply: no CUDA; pipeline
@@ -147,7 +148,7 @@ class GraphShape:
     """What one captured graph of the decoder stack takes: ``tokens`` rows (the bucket), at most
     ``slots`` segments (its offsets buffer holds ``slots + 1``), each of at most ``seqlen`` tokens
     (the attention's ``max_seqlen``). Flash launches ``seqlen / 128 x slots x heads`` blocks per
-    attention call whatever the packing (module doc, "Segment bound")."""
+    attention call whatever the packing (module doc, "Segment bound and slots")."""
 
     tokens: int
     seqlen: int
@@ -168,15 +169,24 @@ class GraphShape:
 
 def graph_shape(host_cu, tokens: int, prev: Optional[GraphShape] = None) -> GraphShape:
     """The shape a ``tokens``-token bucket's graph needs for a micro-batch with offsets ``host_cu``,
-    never smaller than ``prev`` (the bucket's current graph), so a bucket recaptures a few times at
-    most: slots a power of two above its segment count (at least :data:`MIN_SLOTS`, at most
-    :data:`MAX_SEGMENTS`), then a power-of-two bound at least its longest segment, the padding over
-    the free slots included, :data:`MIN_SEQLEN` and ``tokens / slots`` (so the slots cover the
-    bucket), at most ``tokens``."""
+    never smaller than ``prev`` (the bucket's current graph) in either dimension, so a bucket
+    recaptures at most ~``3 + log2(tokens / 128)`` times in a run. Of the slot counts that are powers
+    of two above its segment count (the packer's padding segment included; at least
+    :data:`MIN_SLOTS`, at most :data:`MAX_SEGMENTS`), the one whose bound gives flash the fewest
+    blocks (``seqlen / 128 x slots``; fewer slots on a tie); the bound for ``s`` slots is a power of
+    two at least the longest segment (the bucket padding spread over the free slots included),
+    :data:`MIN_SEQLEN` and ``tokens / s`` (so the slots cover the bucket), capped at ``tokens``
+    (then not a power of two when the bucket is not)."""
     segments = len(host_cu) - 1
+    best = None
     slots = min(MAX_SEGMENTS, max(prev.slots if prev else 0, _pow2(max(MIN_SLOTS, segments + 1))))
-    floor = max(MIN_SEQLEN, -(-tokens // slots), segment_bound(host_cu, tokens, slots))
-    return GraphShape(tokens, min(tokens, max(prev.seqlen if prev else 0, _pow2(floor))), slots)
+    while slots <= MAX_SEGMENTS:
+        floor = max(MIN_SEQLEN, -(-tokens // slots), segment_bound(host_cu, tokens, slots))
+        shape = GraphShape(tokens, min(tokens, max(prev.seqlen if prev else 0, _pow2(floor))), slots)
+        if best is None or -(-shape.seqlen // 128) * slots < -(-best.seqlen // 128) * best.slots:
+            best = shape
+        slots *= 2
+    return best
 
 
 class _Stack(torch.nn.Module):
@@ -280,6 +290,21 @@ class MicroBatchGraphs:
         self._note("oversized", f"{tokens} tokens exceed the token budget {self.buckets[-1]} (an oversized sample)")
         return None
 
+    def _drop(self, bucket: int) -> None:
+        """Free bucket ``bucket``'s graph before its recapture. ``make_graphed_callables``' module and
+        autograd function refer to each other, so only the cycle collector frees them (and with them
+        their static tensors and saved activations, back to the pool for the new capture). The last
+        graph of the pool gone, the pool itself goes (its use count is then 0, and the allocator
+        refuses a new capture into such a pool); the next capture takes a fresh one."""
+        import gc
+
+        del self.graphed[bucket]
+        gc.collect()
+        if not self.graphed and self.pool is not None:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()  # the emptied pool's memory back to the device for the fresh pool
+            self.pool = None
+
     def _capture(self, shape: GraphShape, like: torch.Tensor):
         from megatron.core.transformer.moe.moe_utils import (MoEAuxLossAutoScaler,
                                                              get_moe_layer_wise_logging_tracker)
@@ -325,11 +350,13 @@ class MicroBatchGraphs:
         graphed = self.graphed.get(b)
         if graphed is None or shape != prev:
             if graphed is not None:
-                log.info("trainer.cuda_graphs: a micro-batch of %d segments, the longest %d tokens, does not fit "
-                         "the %d-token bucket's graph (%d segments of up to %d tokens): recapturing for %d of "
-                         "up to %d", len(cu) - 1, max(b - a for a, b in zip(cu, cu[1:])), b, prev.slots,
-                         prev.seqlen, shape.slots, shape.seqlen)
-                del self.graphed[b], graphed  # its static buffers go back to the pool before the capture
+                longest = max(hi - lo for lo, hi in zip(cu, cu[1:]))
+                log.info("trainer.cuda_graphs: a micro-batch of %d segments (the longest %d tokens, %d tokens of "
+                         "bucket padding) does not fit the %d-token bucket's graph of %d segments of up to %d "
+                         "tokens: recapturing it for %d segments of up to %d tokens", len(cu) - 1, longest, b - T,
+                         b, prev.slots, prev.seqlen, shape.slots, shape.seqlen)
+                del graphed
+                self._drop(b)
             self.shapes[b] = shape
             graphed = self.graphed[b] = self._capture(shape, decoder_input)
             self.captures += 1

@@ -11,6 +11,7 @@ bit-equal, the gradients within eager's run-to-run spread.
 from __future__ import annotations
 
 import logging
+import weakref
 
 import pytest
 import torch
@@ -56,12 +57,15 @@ def test_segment_bound_is_the_longest_sample_or_the_padding_over_the_free_slots(
         segment_bound(list(range(0, 64 * 10 + 1, 10)), 4096)
 
 
-def test_graph_shape_takes_power_of_two_slots_and_bound_and_only_grows():
+def test_graph_shape_takes_the_slots_and_bound_of_fewest_blocks_and_only_grows():
     assert graph_shape([0, 300, 700, 1000], 4096) == GraphShape(4096, 1024, 8)  # 620 over 5 slots; 4096/8
     assert graph_shape([0, 300, 700, 1000], 65536) == GraphShape(65536, 16384, 8)  # the padding sets it
     twenty = [0] + [3000 * (i + 1) for i in range(20)]  # 20 samples of 3,000 tokens
     assert graph_shape(twenty, 65536) == GraphShape(65536, 4096, 32)
     assert graph_shape(list(range(0, 400 * 63 + 1, 400)), 65536) == GraphShape(65536, 65536, 64)
+    # 31 samples of 1,600 tokens: 32 slots would leave one for 15,936 padding rows (a bound of 16,384);
+    # 64 slots launch a quarter of the blocks
+    assert graph_shape(list(range(0, 1600 * 31 + 1, 1600)), 65536) == GraphShape(65536, 2048, 64)
     assert graph_shape([0, 10], 512) == GraphShape(512, 128, 8)  # flash's row block
     assert graph_shape([0, 3000], 3072) == GraphShape(3072, 3072, 8)  # never above the bucket
     big = GraphShape(4096, 2048, 16)
@@ -82,6 +86,17 @@ def test_graph_offsets_cut_the_padding_into_segments_within_the_bound():
         GraphShape(4096, 512, 8).offsets([0, 300, 700, 1000])  # the padding over 5 free slots
 
 
+class _Graphed:
+    """A stand-in graph that refers to itself, as ``make_graphed_callables``' module and function do."""
+
+    def __init__(self, owner, shape):
+        self.owner, self.shape, self.me = owner, shape, self
+
+    def __call__(self, x, pos, cu, pad):
+        self.owner.calls.append((self.shape, cu.tolist(), int(pad.sum())))
+        return x
+
+
 class _Recording(MicroBatchGraphs):
     """Captures nothing: each "graph" records the offsets it is replayed with."""
 
@@ -90,10 +105,7 @@ class _Recording(MicroBatchGraphs):
         self.calls = []
 
     def _capture(self, shape, like):
-        def graphed(x, pos, cu, pad):
-            self.calls.append((shape, cu.tolist(), int(pad.sum())))
-            return x
-        return graphed
+        return _Graphed(self, shape)
 
 
 def test_a_micro_batch_that_does_not_fit_recaptures_its_buckets_graph(caplog):
@@ -106,19 +118,22 @@ def test_a_micro_batch_that_does_not_fit_recaptures_its_buckets_graph(caplog):
     g = _Recording(4096)
     with caplog.at_level(logging.INFO, logger="megatron_grpo.engine.graphs"):
         g.run(h[:300], pos[..., :300], [0, 200, 300])  # bucket 1024: 8 slots of up to 256 tokens
+        first = weakref.ref(g.graphed[1024])
         g.run(h[:900], pos[..., :900], [0, 600, 900])  # a 600-token sample: recaptured with 1024
         g.run(h[:300], pos[..., :300], [0, 200, 300])  # shapes only grow
         nine = list(range(0, 901, 100))
         g.run(h[:900], pos[..., :900], nine)  # 9 samples: 16 slots
     assert g.captures == 3 and g.shapes == {1024: GraphShape(1024, 1024, 16)}
+    assert first() is None  # a replaced graph is freed before the recapture, its reference cycle too
     (s1, cu1, pad1), (s2, cu2, pad2), (s3, cu3, pad3), (s4, cu4, pad4) = g.calls
     assert (s1, pad1) == (GraphShape(1024, 256, 8), 724) and len(cu1) == 9 and cu1[:3] == [0, 200, 300]
     assert max(b - a for a, b in zip(cu1, cu1[1:])) == 256 and cu1[-1] == 1024
     assert (s2, pad2) == (GraphShape(1024, 1024, 8), 124) and cu2 == [0, 600, 900] + [1024] * 6
     assert (s3, pad3) == (s2, 724) and cu3 == [0, 200, 300] + [1024] * 6
     assert (s4, pad4) == (GraphShape(1024, 1024, 16), 124) and cu4 == nine + [1024] * 7
-    assert ("trainer.cuda_graphs: a micro-batch of 2 segments, the longest 600 tokens, does not fit the 1024-token "
-            "bucket's graph (8 segments of up to 256 tokens): recapturing for 8 of up to 1024") in caplog.messages
+    assert ("trainer.cuda_graphs: a micro-batch of 2 segments (the longest 600 tokens, 124 tokens of bucket padding) "
+            "does not fit the 1024-token bucket's graph of 8 segments of up to 256 tokens: recapturing it for 8 "
+            "segments of up to 1024 tokens") in caplog.messages
 
 
 def test_micro_batches_that_run_eagerly_are_logged_once(caplog):
