@@ -88,7 +88,7 @@ def _wrap_aux_scores(orig):
         last = getattr(_STATE, "last", None) if getattr(_STATE, "active", False) else None
         _STATE.last = None
         if last is None or last[0] is not logits or last[1] != topk or score_function != "softmax" or fused:
-            kw = {} if padding_mask is None else {"padding_mask": padding_mask}  # megatron 0.16 has none
+            kw = {} if padding_mask is None else {"padding_mask": padding_mask}  # as megatron's router passes it
             return orig(logits, topk, score_function, fused=fused, **kw)
         routing_map_TE = last[2]
         fused = getattr(_STATE, "fused_aux", None)
@@ -98,7 +98,7 @@ def _wrap_aux_scores(orig):
             # ReusingTopKRouter._fused_aux_coeff)
             return routing_map_TE, None
         scores_TE = torch.softmax(logits, dim=-1, dtype=torch.float32)  # as megatron computes them
-        if padding_mask is not None:  # megatron >= 0.19: True marks padding; those tokens count nowhere
+        if padding_mask is not None:  # as megatron 0.16.1 and 0.19.2: True marks padding, counted nowhere
             valid_T1 = (~padding_mask).unsqueeze(-1)
             routing_map_TE, scores_TE = routing_map_TE * valid_T1, scores_TE * valid_T1
         return routing_map_TE, scores_TE

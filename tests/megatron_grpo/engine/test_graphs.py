@@ -178,14 +178,14 @@ def _microbatches(engine, hf_dir, budget):
     return build_train_microbatches(trajs, plan, 0, packing, featurize=featurize, n_window=engine.spec.audio.n_window)
 
 
-def _cpu_buckets(hf_dir: str, budget: int):
-    """``(engine, thinker, EagerBuckets)`` of the checkpoint on the CPU in fp32."""
+def _cpu_buckets(hf_dir: str, budget: int, backend: str = "auto"):
+    """``(engine, thinker, EagerBuckets)`` of the checkpoint on the CPU in fp32 (layer-spec ``backend``)."""
     from megatron_grpo.engine.setup import build_engine, unwrapped
     from model_bridge.config import ParallelLayout
     from model_bridge.parallel import init_parallel
 
     init_parallel(seed=1234)
-    engine = build_engine(hf_dir, ParallelLayout(), dtype=torch.float32)
+    engine = build_engine(hf_dir, ParallelLayout(), dtype=torch.float32, backend=backend)
     thinker = unwrapped(engine.model[0])
     return engine, thinker, EagerBuckets(thinker, budget)
 
@@ -224,7 +224,7 @@ def test_bucket_padding_gives_the_thinkers_hidden_states(tiny_ckpt, graph_budget
     assert max(d for _, _, _, d in res) < 1e-5, res
 
 
-def _aux_loss_padded_rank(hf_dir: str, budget: int) -> list[tuple[int, int, list[float], list[float]]]:
+def _aux_loss_padded_rank(hf_dir: str, budget: int, backend: str) -> list[tuple[int, int, list[float], list[float]]]:
     """Per micro-batch that the bucket pads: the MoE load-balancing loss of each layer through the
     bucketed path and through the thinker's own forward (CPU, fp32, training mode)."""
     from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker,
@@ -232,7 +232,7 @@ def _aux_loss_padded_rank(hf_dir: str, budget: int) -> list[tuple[int, int, list
 
     from megatron_grpo.engine.forward import _graphed_forward
 
-    engine, thinker, graphs = _cpu_buckets(hf_dir, budget)
+    engine, thinker, graphs = _cpu_buckets(hf_dir, budget, backend)
     thinker.train()
 
     def losses() -> list[float]:
@@ -253,8 +253,10 @@ def _aux_loss_padded_rank(hf_dir: str, budget: int) -> list[tuple[int, int, list
     return out
 
 
-def test_bucket_padding_stays_out_of_the_load_balancing_loss(tiny_ckpt):
-    res = run_ranks(_aux_loss_padded_rank, 1, str(tiny_ckpt), 512, env={"CUDA_VISIBLE_DEVICES": ""}, timeout=600)[0]
+@pytest.mark.parametrize("backend", ["local", "torch"])  # torch: our routers, as the GPU's graphs run them
+def test_bucket_padding_stays_out_of_the_load_balancing_loss(tiny_ckpt, backend):
+    res = run_ranks(_aux_loss_padded_rank, 1, str(tiny_ckpt), 512, backend, env={"CUDA_VISIBLE_DEVICES": ""},
+                    timeout=600)[0]
     assert res, "no micro-batch was padded to its bucket"
     for T, b, got, ref in res:
         assert any(v > 0 for v in ref), (T, b, ref)  # the loss is on (the tiny checkpoint's coefficient)
