@@ -357,8 +357,8 @@ class MicroBatchGraphs:
                          b, prev.slots, prev.seqlen, shape.slots, shape.seqlen)
                 del graphed
                 self._drop(b)
-            self.shapes[b] = shape
-            graphed = self.graphed[b] = self._capture(shape, decoder_input)
+            graphed = self._capture(shape, decoder_input)  # a capture that fails records nothing
+            self.graphed[b], self.shapes[b] = graphed, shape
             self.captures += 1
         pad = b - T
         if pad:

@@ -136,6 +136,24 @@ def test_a_micro_batch_that_does_not_fit_recaptures_its_buckets_graph(caplog):
             "segments of up to 1024 tokens") in caplog.messages
 
 
+class _FailsOnce(_Recording):
+    def _capture(self, shape, like):
+        if not getattr(self, "failed", False):
+            self.failed = True
+            raise torch.cuda.OutOfMemoryError("out of memory during the capture")
+        return super()._capture(shape, like)
+
+
+def test_a_failed_capture_leaves_no_shape_behind():
+    g = _FailsOnce(4096)
+    h, pos = torch.zeros(300, 1, 8), torch.zeros(3, 1, 300, dtype=torch.long)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        g.run(h, pos, [0, 200, 300])
+    assert g.graphed == {} and g.shapes == {} and g.captures == 0
+    assert g.run(h, pos, [0, 200, 300]) is not None  # the next micro-batch captures the bucket anew
+    assert g.captures == 1 and g.shapes == {1024: GraphShape(1024, 256, 8)}
+
+
 def test_micro_batches_that_run_eagerly_are_logged_once(caplog):
     g = MicroBatchGraphs(thinker=None, budget=4096)
     with caplog.at_level(logging.WARNING, logger="megatron_grpo.engine.graphs"):
