@@ -331,7 +331,7 @@ def build_train_microbatches(trajectories: Sequence, plan: PackPlan, dp_rank: in
     advantages_N = torch.as_tensor(advantages_N, dtype=torch.float32).reshape(-1)
     if advantages_N.shape[0] != n:
         raise ValueError(f"advantages_N has {advantages_N.shape[0]} values for {n} samples")
-    out, clip_features = [], {}
+    clip_features: dict = {}
     # first: a device featurizer's copy and kernels then run while the host packs the tokens
     _featurize_step(trajectories, mine, featurize, clip_features)
     ids = {i: trajectories[i].input_ids_T for i in mine}  # the packer makes them tensors (packing.as_1d)
@@ -378,6 +378,7 @@ def build_train_microbatches(trajectories: Sequence, plan: PackPlan, dp_rank: in
         for c, (_, k) in span.items():
             b = shared.batch_of[c]
             batch_last[b] = max(k, batch_last.get(b, k))
+    out = []
     for k, (mb, (feats, lens, order)) in enumerate(zip(mbs, per_mb)):
         rollout_T = pack_per_token(mb, rollout)
         sid = mb.sample_index_T

@@ -61,7 +61,7 @@ __all__ = ["MicroBatchGraphs", "GraphShape", "graph_fallback_reason", "bucket_si
 log = logging.getLogger("megatron_grpo.engine.graphs")
 
 MAX_SEGMENTS = 64
-"""Segments (samples plus padding) a graphed micro-batch may have: the offsets buffer's fixed size."""
+"""Most segments (samples plus padding) a graph takes: its largest offsets buffer (``GraphShape.slots``)."""
 BUCKETS_PER_BUDGET = 4
 """Bucket shapes: the multiples of ``budget / BUCKETS_PER_BUDGET`` up to the budget."""
 MIN_SEQLEN = 128
@@ -154,6 +154,11 @@ class GraphShape:
     seqlen: int
     slots: int
 
+    @property
+    def blocks_per_head(self) -> int:
+        """Thread blocks flash launches per head and attention call (rows of :data:`MIN_SEQLEN`)."""
+        return -(-self.seqlen // MIN_SEQLEN) * self.slots
+
     def offsets(self, host_cu) -> list[int]:
         """The ``slots + 1`` offsets this graph replays a micro-batch with: its own (``host_cu``), then
         the bucket padding ``[T, tokens)`` in segments of at most ``seqlen`` tokens, then zero-length
@@ -183,7 +188,7 @@ def graph_shape(host_cu, tokens: int, prev: Optional[GraphShape] = None) -> Grap
     while slots <= MAX_SEGMENTS:
         floor = max(MIN_SEQLEN, -(-tokens // slots), segment_bound(host_cu, tokens, slots))
         shape = GraphShape(tokens, min(tokens, max(prev.seqlen if prev else 0, _pow2(floor))), slots)
-        if best is None or -(-shape.seqlen // 128) * slots < -(-best.seqlen // 128) * best.slots:
+        if best is None or shape.blocks_per_head < best.blocks_per_head:
             best = shape
         slots *= 2
     return best
