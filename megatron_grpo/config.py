@@ -161,15 +161,15 @@ class TrainerSection:
     then the chunked log-softmax (same values)."""
     max_consecutive_skips: int = 3
     """Stop after this many updates in a row skipped for non-finite gradients."""
-    cuda_graphs: bool = False
+    cuda_graphs: Union[bool, Literal["auto"]] = "auto"
     """On GPU, replay each training micro-batch's decoder stack from a CUDA graph captured once per
     bucket shape (``engine/graphs.py``: micro-batches padded to a quarter, half, three quarters or
     all of the token budget); falls back to eager with one logged reason where it does not apply
-    (CPU, PP > 1, EP > 1, TP > 1, recomputation, a non-torch layer spec). Off by default: at the
-    GPU's default ``auto`` budget (large micro-batches, GPU-bound) graphs made the 4-layer phase
-    slower (0.90x of eager); at 4,096-token budgets they made it 1.13x faster (one H200,
-    2026-12-04, docs/performance.md, "Training phase"). Both before each graph took its own segment
-    slots and bound (``engine/graphs.py``, "Segment bound and slots"), not yet re-measured."""
+    (CPU, PP > 1, EP > 1, TP > 1, recomputation, a non-torch layer spec). ``auto``: on where they
+    pay, a ``packing.max_tokens_per_microbatch`` of at most 4,096 tokens (host-bound eager
+    micro-batches: 1.13x faster at 4 layers); off at larger budgets and at the ``auto`` budget,
+    where the eager phase is GPU-bound (0.966x at 16,384 tokens, 0.958x at 65,536; one H200,
+    2026-12-04/05, docs/performance.md, "Training phase")."""
     shared_clips: bool = True
     """A clip several samples of a rank's step use (a GRPO group's recording) goes through the audio
     tower once per step: a first pass, then one backward of all its uses, through the first pass's

@@ -212,7 +212,8 @@ def build_run(cfg: TrainConfig, resume: bool = False) -> Run:
     p = cfg.parallel
     init_parallel(tp=p.tp, ep=p.ep, etp=p.etp, pp=p.pp, seed=cfg.trainer.seed)
     on_stream = ExitStack()  # the rank's work on the graphs' capture stream, from the engine's build on
-    on_stream.enter_context(trainer_stream(cfg.trainer.cuda_graphs))
+    graphs_on = graphs_wanted(cfg.trainer.cuda_graphs, cfg.packing.max_tokens_per_microbatch)
+    on_stream.enter_context(trainer_stream(graphs_on))
     rank = dist.get_rank()
     run_dir = Path(cfg.trainer.run_dir)
     if rank == 0:
@@ -243,7 +244,7 @@ def build_run(cfg: TrainConfig, resume: bool = False) -> Run:
                              pad_multiple=tp_sp, allow_oversized=cfg.packing.allow_oversized,
                              pad_token_id=int(backend.tokenizer.pad_token_id or 0) if rank == 0 else 0)
         packing = _broadcast(packing)
-        enable_graphs(engine, cfg.trainer.cuda_graphs, packing.max_tokens_per_microbatch, backend=cfg.model.backend,
+        enable_graphs(engine, graphs_on, packing.max_tokens_per_microbatch, backend=cfg.model.backend,
                       recompute=cfg.model.recompute, multiple=packing.pad_multiple)
         step_cfg = StepConfig(loss=cfg.loss, importance=cfg.importance,
                               max_consecutive_skips=cfg.trainer.max_consecutive_skips,

@@ -11,8 +11,9 @@ trainer's default: the budget ``packing.max_tokens_per_microbatch: auto`` picks 
 4,096 on CPU; or a number). Default ``StepConfig`` (fused LM-head logprob, GRPO loss, on-policy),
 default ``OptimConfig`` (Adam, clip_grad 1.0), the trainer's featurizer (on the GPU:
 ``data/device_features.py``; ``--host-features`` for the host extractor), eager micro-batches as
-``trainer.cuda_graphs``' default (``--cuda-graphs``: the trainer's CUDA graphs for the micro-batches'
-decoder stacks, ``engine/graphs.py``).
+``trainer.cuda_graphs``' default ``auto`` (graphs for a ``--mb-tokens`` of at most 4,096, else eager;
+``--cuda-graphs`` / ``--no-cuda-graphs``: always / never the trainer's CUDA graphs for the
+micro-batches' decoder stacks, ``engine/graphs.py``).
 The side systems below run eagerly.
 
 Systems (``_train_systems``), run in turns, round by round (``--warmup`` untimed rounds, then
@@ -60,7 +61,7 @@ SYSTEMS = ("train", "train_recompute", "train_split", "stack", "stack_lm", "audi
 def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16, mb_tokens: int | str = "auto",
               systems=SYSTEMS, warmup: int = 1, iters: int = 3, seed: int = 0, tiny: bool = False,
               device: str | None = None, work_dir=None, host_features: bool = False, hf_dir=None,
-              cuda_graphs: bool = False, shared_clips: bool = True, keep_shared: float = 0.5, profile=()) -> dict:
+              cuda_graphs: bool | str = "auto", shared_clips: bool = True, keep_shared: float = 0.5, profile=()) -> dict:
     """Run the benchmark (module docstring); write ``bench_train.json`` / ``.png`` under ``out_dir``."""
     import torch
 
@@ -90,8 +91,9 @@ def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16
     init_parallel(seed=seed)
     from contextlib import ExitStack
 
-    from megatron_grpo.engine.graphs import trainer_stream
+    from megatron_grpo.engine.graphs import graphs_wanted, trainer_stream
 
+    graphs_setting, cuda_graphs = cuda_graphs, graphs_wanted(cuda_graphs, mb_tokens)  # as mgrpo train
     on_stream = ExitStack()
     on_stream.enter_context(trainer_stream(cuda_graphs))  # as mgrpo train: from the engine's build on
     try:
@@ -133,7 +135,8 @@ def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16
         profiles = {n: _profile(fn, out / f"profile_{n}.txt") for n, fn in bench.systems(list(profile)).items()}
         res = {"env": _env(dev), "device": str(dev), "checkpoint": str(ckpt), "layers": None if tiny else layers,
                "audio_layers": None if tiny else audio_layers, "tiny": tiny, "samples": samples,
-               "mb_tokens": mb_tokens, "auto_budget": auto_budget, "host_features": host_features, "cuda_graphs": graphs is not None,
+               "mb_tokens": mb_tokens, "auto_budget": auto_budget, "host_features": host_features, "cuda_graphs_setting": graphs_setting,
+               "cuda_graphs": graphs is not None,
                "cuda_graphs_fallback": engine.graphs_fallback,
                "graph_buckets": sorted(graphs.graphed) if graphs else [],
                "graph_shapes": {b: {"max_seqlen": sh.seqlen, "segment_slots": sh.slots}
@@ -257,7 +260,7 @@ def _print_table(res: dict) -> None:
     print(f"\n== bench train: {res['tokens_real']} tokens, {len(res['micro_batches'])} micro-batches, "
           f"{res['audio_clips']} clips ({res['audio_seconds']:.0f} s of audio), {res['device']}, "
           f"features on the {res['featurizer']}, cuda graphs "
-          f"{res['graph_buckets'] if res['cuda_graphs'] else _graphs_off(res['cuda_graphs_fallback'])}")
+          f"{res['graph_buckets'] if res['cuda_graphs'] else _graphs_off(res['cuda_graphs_fallback'], res['cuda_graphs_setting'])}")
     for n, v in s.items():
         t = v.get("phase_s_median", v.get("step_s_median"))
         print(f"  {n:12s} {t * 1e3:10.1f} ms  {v.get('tok_per_s', 0):12.0f} tok/s")
@@ -313,8 +316,11 @@ def _cmd(args: argparse.Namespace) -> int:
     return 0
 
 
-def _graphs_off(reason) -> str:
-    return f"off: {reason}" if reason else "off (--cuda-graphs turns them on)"
+def _graphs_off(reason, setting) -> str:
+    if reason:
+        return f"off: {reason}"
+    why = "trainer.cuda_graphs auto: on at budgets of at most 4,096 tokens" if setting == "auto" else "--no-cuda-graphs"
+    return f"off ({why}; --cuda-graphs turns them on)"
 
 
 def _budget(text: str) -> int | str:
@@ -347,9 +353,10 @@ def add_parser(bsub) -> argparse.ArgumentParser:
     s.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     s.add_argument("--host-features", action="store_true",
                    help="featurise on the host (the Whisper extractor) instead of on the device")
-    s.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=False,
-                   help="replay the micro-batches' decoder stacks from CUDA graphs (trainer.cuda_graphs=true); "
-                        "default off, as mgrpo train's default")
+    s.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default="auto",
+                   help="replay the micro-batches' decoder stacks from CUDA graphs (trainer.cuda_graphs=true) / "
+                        "never; default: as mgrpo train's trainer.cuda_graphs: auto (on for a --mb-tokens of at "
+                        "most 4,096)")
     s.add_argument("--no-shared-clips", action="store_true",
                    help="run a group's shared recording through the audio tower once per sample (trainer.shared_clips: false)")
     s.add_argument("--shared-keep", type=float, default=0.5,

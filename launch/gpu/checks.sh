@@ -35,7 +35,7 @@ for step in ${STEPS[@]}; do
   case $step in
     tests) files=$(grep -rl "mark.gpu" tests --include='test_*.py' | sort)
            echo "== tests: pytest -m gpu $(echo $files | wc -w) files"
-           timeout 420 python3 -m pytest -q -m gpu -p no:cacheprovider -rs $files 2>&1 | tee "$OUT/gpu_tests.log" \
+           timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider -rs $files 2>&1 | tee "$OUT/gpu_tests.log" \
              | grep -v "warn\|^  \|^$" | tail -25 || rc=1 ;;
     layers2) bench layers2 300 layers --layers 2 --systems ours,ours_graph,ours_sepqkn,ours_mb,ours_mb_graph,ours_mb_rc,hf_bs1,hf_bs4 --out "$OUT/layers2" || rc=1 ;;
     layers2g) bench layers2g 300 layers --layers 2 --systems ours,ours_mb,ours_mb_graph --out "$OUT/layers2g" || rc=1 ;;

@@ -48,7 +48,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -56,7 +56,7 @@ from . import grad_accum
 
 __all__ = ["MicroBatchGraphs", "GraphShape", "graph_fallback_reason", "bucket_sizes", "graph_shape",
            "segment_bound", "enable_graphs", "trainer_stream", "capture_stream", "warm_up_on_capture_stream",
-           "MAX_SEGMENTS"]
+           "MAX_SEGMENTS", "AUTO_MAX_BUDGET", "graphs_wanted"]
 
 log = logging.getLogger("megatron_grpo.engine.graphs")
 
@@ -68,6 +68,12 @@ MIN_SEQLEN = 128
 """Smallest segment bound of a graph: flash's row block (a smaller bound launches no fewer blocks)."""
 MIN_SLOTS = 8
 """Fewest segment slots of a graph (a few more samples in a later step then need no recapture)."""
+AUTO_MAX_BUDGET = 4096
+"""``trainer.cuda_graphs: auto`` turns graphs on for a fixed token budget of at most this many tokens:
+there the eager micro-batches are host-bound and graphs made the 4-layer training phase 1.13x
+faster; at 16,384 tokens (0.966x) and at the ``auto`` budget of 65,536 (0.958x) the eager phase is
+GPU-bound and the graphed attention's wider grid and the bucket padding cost more than the launches
+they save (one H200, 2026-12-04/05, docs/performance.md, "Training phase")."""
 
 
 @contextlib.contextmanager
@@ -90,6 +96,21 @@ def trainer_stream(enabled: bool = True):
             yield stream
     finally:
         torch.cuda.graph.default_capture_stream = prev
+
+
+def graphs_wanted(setting: Union[bool, str], budget: Union[int, str]) -> bool:
+    """``trainer.cuda_graphs`` resolved against the configured ``packing.max_tokens_per_microbatch``
+    before the engine is built (the trainer's stream must be entered by then): ``auto`` is on for a
+    number of at most :data:`AUTO_MAX_BUDGET` tokens, off for a larger one or the ``auto`` budget
+    (logged). Whether graphs then apply is :func:`enable_graphs`' question."""
+    if setting != "auto":
+        return bool(setting)
+    on = budget != "auto" and int(budget) <= AUTO_MAX_BUDGET
+    if not on and torch.cuda.is_available():
+        log.info("trainer.cuda_graphs: auto: off at a token budget of %s (graphs pay at budgets of at most %d "
+                 "tokens, where eager micro-batches are host-bound; trainer.cuda_graphs=true turns them on)",
+                 budget, AUTO_MAX_BUDGET)
+    return on
 
 
 def graph_fallback_reason(*, cuda: bool, tp: int = 1, pp: int = 1, ep: int = 1, backend: str = "torch",

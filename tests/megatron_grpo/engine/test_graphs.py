@@ -430,3 +430,32 @@ def test_enable_graphs_logs_the_bucket_shapes_where_they_apply(caplog, monkeypat
     assert engine.graphs is g and g.thinker is thinker and g.buckets == [1024, 2048, 3072, 4096]
     assert engine.graphs_fallback is None
     assert caplog.messages == ["trainer.cuda_graphs: on, bucket shapes [1024, 2048, 3072, 4096] tokens"]
+
+
+@pytest.mark.parametrize("setting,budget,on", [
+    ("auto", 4096, True), ("auto", 2048, True), ("auto", 4097, False), ("auto", 65536, False),
+    ("auto", "auto", False), (True, "auto", True), (True, 65536, True), (False, 1024, False),
+])
+def test_auto_turns_graphs_on_at_small_budgets_only(setting, budget, on, caplog, monkeypatch):
+    from megatron_grpo.config import load_train_config
+    from megatron_grpo.engine import graphs
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the log line is for GPU runs
+    cfg = load_train_config(None, [f"trainer.cuda_graphs={str(setting).lower()}",
+                                     f"packing.max_tokens_per_microbatch={budget}"])
+    assert cfg.trainer.cuda_graphs == setting and cfg.packing.max_tokens_per_microbatch == budget
+    with caplog.at_level(logging.INFO, logger="megatron_grpo.engine.graphs"):
+        assert graphs.graphs_wanted(cfg.trainer.cuda_graphs, cfg.packing.max_tokens_per_microbatch) is on
+    assert caplog.messages == ([] if on or setting is False else
+                               [f"trainer.cuda_graphs: auto: off at a token budget of {budget} (graphs pay at budgets "
+                                f"of at most {graphs.AUTO_MAX_BUDGET} tokens, where eager micro-batches are "
+                                "host-bound; trainer.cuda_graphs=true turns them on)"])
+
+
+def test_cuda_graphs_setting_names_its_choices():
+    from megatron_grpo.config import TrainConfig, load_train_config
+    from megatron_grpo.configtree import ConfigKeyError
+
+    assert TrainConfig().trainer.cuda_graphs == "auto"
+    with pytest.raises(ConfigKeyError, match=r"trainer\.cuda_graphs: 'sometimes' fits none of"):
+        load_train_config(None, ["trainer.cuda_graphs=sometimes"])
