@@ -196,7 +196,7 @@ def build_run(cfg: TrainConfig, resume: bool = False) -> Run:
     from megatron_grpo.engine.budget import common_token_budget
     from megatron_grpo.engine.checkpoint import load_checkpoint
     from megatron_grpo.engine.checkpoint_async import Checkpoints, async_save_enabled
-    from megatron_grpo.engine.graphs import enable_graphs, trainer_stream
+    from megatron_grpo.engine.graphs import enable_graphs, graphs_wanted, trainer_stream
     from megatron_grpo.engine.nonfinite import NonFiniteSkips
     from megatron_grpo.engine.setup import build_engine
     from megatron_grpo.engine.step import StepConfig

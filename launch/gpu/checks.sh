@@ -3,19 +3,23 @@
 #
 #   launch/gpu/checks.sh OUT [STEP ...]
 #
-# STEP (default: tests layers2): tests | layers2 | layers2g | layers4 | layers8 | mb3072 | ep2 | ep4 | ep8 | ep8_16l
-#       | sync | train4 | train8 | graphs4 | graphs4_16k
+# STEP (default: tests layers2): tests | tests1 | tests2 | layers2 | layers2g | layers4 | layers8 | mb3072
+#       | ep2 | ep4 | ep8 | ep8_16l | sync | train4 | train8 | profile4 | graphs4 | graphs4_16k
 # * installs megatron-core from .whl/megatron_core-*.whl when it does not import (only that wheel:
 #   soundfile's wheel needs cffi, which the image lacks, and breaks librosa's import);
 # * tests: pytest -m gpu over the test files that have GPU tests (collecting all of tests/ fails
-#   there: some modules import vLLM at collection);
+#   there: some modules import vLLM at collection); tests1 / tests2: the first / second half of those
+#   files, for two calls where the whole set would pass the step's 560 s;
 # * layers*/mb3072/ep2/sync/train*: the benchmarks with the commands docs/performance.md quotes
 #   (train*: mgrpo bench train at 4 / 8 full-width layers; its generated checkpoint goes to /tmp;
-#   graphs4*: the training phase with and without trainer.cuda_graphs, one after the other on the same
+#   profile4: the 4-layer phase, the layer stack + LM head and the audio tower alone, each once
+#   more under torch.profiler, their top kernels in OUT/profile4/profile_*.txt; graphs4*: the
+#   training phase with and without trainer.cuda_graphs, one after the other on the same
 #   checkpoint and trajectories, at the auto budget / at 16,384 tokens);
-# every step has its own time limit and writes under OUT (logs, JSON, PNG, profiles).
+# every step has its own time limit and writes under OUT (logs, JSON, PNG, profiles); more than 8 files
+# there end up in one archive, OUT/checks.tgz (the device tool returns at most 8 files).
 set -uo pipefail
-OUT=${1:?usage: launch/gpu/checks.sh OUT [tests|layers2|layers2g|layers4|layers8|mb3072|ep2|ep4|ep8|ep8_16l|sync|train4|train8|graphs4|graphs4_16k ...]}
+OUT=${1:?usage: launch/gpu/checks.sh OUT [tests|tests1|tests2|layers2|layers2g|layers4|layers8|mb3072|ep2|ep4|ep8|ep8_16l|sync|train4|train8|profile4|graphs4|graphs4_16k ...]}
 shift
 STEPS=("${@:-tests layers2}")
 mkdir -p "$OUT"
@@ -33,13 +37,19 @@ bench() { local name=$1 limit=$2; shift 2; echo "== $name: mgrpo bench $*"; time
 rc=0
 for step in ${STEPS[@]}; do
   case $step in
-    tests) files=$(grep -rl "mark.gpu" tests --include='test_*.py' | sort)
-           echo "== tests: pytest -m gpu $(echo $files | wc -w) files"
-           timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider -rs $files 2>&1 | tee "$OUT/gpu_tests.log" \
-             | grep -v "warn\|^  \|^$" | tail -25 || rc=1 ;;
+    tests|tests1|tests2)
+           files=$(grep -rl "mark.gpu" tests --include='test_*.py' | sort)
+           n=$(echo $files | wc -w); half=$(( (n + 1) / 2 ))
+           [ "$step" = tests1 ] && files=$(echo $files | tr ' ' '\n' | head -n $half)
+           [ "$step" = tests2 ] && files=$(echo $files | tr ' ' '\n' | tail -n +$((half + 1)))
+           echo "== $step: pytest -m gpu $(echo $files | wc -w) of $n files"
+           timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider -rs --durations=10 $files 2>&1 \
+             | tee "$OUT/gpu_$step.log" | grep -v "warn\|^  \|^$" | tail -25 || rc=1 ;;
     layers2) bench layers2 300 layers --layers 2 --systems ours,ours_graph,ours_sepqkn,ours_mb,ours_mb_graph,ours_mb_rc,hf_bs1,hf_bs4 --out "$OUT/layers2" || rc=1 ;;
     layers2g) bench layers2g 300 layers --layers 2 --systems ours,ours_mb,ours_mb_graph --out "$OUT/layers2g" || rc=1 ;;
     train4) bench train4 540 train --layers 4 --out "$OUT/train4" --work-dir /tmp/bench_train || rc=1 ;;
+    profile4) bench profile4 400 train --layers 4 --samples 64 --systems train,stack_lm,audio --iters 2 \
+                --profile train,stack_lm,audio --out "$OUT/profile4" --work-dir /tmp/bench_train || rc=1 ;;
     train8) bench train8 570 train --layers 8 --out "$OUT/train8" --work-dir /tmp/bench_train || rc=1 ;;
     graphs4|graphs4_16k)
       mb=auto; [ "$step" = graphs4_16k ] && mb=16384
@@ -64,7 +74,12 @@ PY
     ep8) bench ep8 360 layers --layers 2 --ep 8 --hang-timeout 150 --timeout 340 --out "$OUT/ep8" || rc=1 ;;
     ep8_16l) bench ep8_16l 480 layers --layers 16 --ep 8 --hang-timeout 200 --timeout 460 --out "$OUT/ep8_16l" || rc=1 ;;
     sync) bench sync 420 sync --out "$OUT/sync" || rc=1 ;;
-    *) echo "unknown step $step (tests|layers2|layers2g|layers4|layers8|mb3072|ep2|ep4|ep8|ep8_16l|sync|train4|train8|graphs4|graphs4_16k)"; rc=2 ;;
+    *) echo "unknown step $step (tests|tests1|tests2|layers2|layers2g|layers4|layers8|mb3072|ep2|ep4|ep8|ep8_16l|sync|train4|train8|profile4|graphs4|graphs4_16k)"; rc=2 ;;
   esac
 done
+# the device tool brings back at most 8 files from OUT: past that, one archive of them all
+if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
+  tar czf /tmp/checks.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/checks.tgz "$OUT/checks.tgz" \
+    && echo "== $OUT/checks.tgz: every file of this run (tar xzf it)"
+fi
 exit $rc

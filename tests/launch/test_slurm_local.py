@@ -75,12 +75,21 @@ def _logs(jobs: dict, cluster) -> str:
     return "\n".join(parts)
 
 
-def _wait(cond, timeout: float, what: str, jobs: dict, cluster, poll: float = 0.5):
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
+"""Slurm's final job states."""
+
+
+def _wait(cond, timeout: float, what: str, jobs: dict, cluster, poll: float = 0.5, unless_ended: str = ""):
+    """Poll ``cond`` until it is true; fail after ``timeout``, or at once when the job
+    ``jobs[unless_ended]`` has ended (a trainer that crashed at its start is not waited for)."""
     end = time.monotonic() + timeout
     while time.monotonic() < end:
         v = cond()
         if v:
             return v
+        state = cluster.job(jobs[unless_ended]).get("JobState", "") if unless_ended else ""
+        if state in ENDED:
+            pytest.fail(f"the {unless_ended} job ended ({state}) while waiting for {what}\n{_logs(jobs, cluster)}")
         time.sleep(poll)
     pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}\n{_logs(jobs, cluster)}")
 
@@ -123,7 +132,7 @@ def test_preempted_trainer_checkpoints_requeues_and_resumes(local_slurm, tmp_pat
                         "checkpoint.keep_last=2")
     tid = jobs["train"]
     _wait(lambda: len(_steps(run)) >= 1, JOB_TIMEOUT_S, "the first step's metrics", jobs,
-          local_slurm)
+          local_slurm, unless_ended="train")
     t_signal = time.monotonic()
     local_slurm.scancel("--signal=USR1", tid)  # what slurm does at --signal=USR1@120
     # PREEMPTED lives from the preemption checkpoint until the requeued job starts (>= the
