@@ -166,8 +166,9 @@ class TrainerSection:
     bucket shape (``engine/graphs.py``: micro-batches padded to a quarter, half, three quarters or
     all of the token budget); falls back to eager with one logged reason where it does not apply
     (CPU, PP > 1, EP > 1, TP > 1, recomputation, a non-torch layer spec). ``auto``: on where they
-    pay, a ``packing.max_tokens_per_microbatch`` of at most 4,096 tokens (host-bound eager
-    micro-batches: 1.13x faster at 4 layers); off at larger budgets and at the ``auto`` budget,
+    pay, a ``packing.max_tokens_per_microbatch`` of at most 4,096 tokens where graphs apply
+    (host-bound eager micro-batches: 1.13x faster at 4 layers on 2026-12-04, before the graphs' own
+    shapes and padding mask, not re-measured since); off at larger budgets and at the ``auto`` budget,
     where the eager phase is GPU-bound (0.966x at 16,384 tokens, 0.958x at 65,536; one H200,
     2026-12-04/05, docs/performance.md, "Training phase")."""
     shared_clips: bool = True

@@ -196,7 +196,7 @@ def build_run(cfg: TrainConfig, resume: bool = False) -> Run:
     from megatron_grpo.engine.budget import common_token_budget
     from megatron_grpo.engine.checkpoint import load_checkpoint
     from megatron_grpo.engine.checkpoint_async import Checkpoints, async_save_enabled
-    from megatron_grpo.engine.graphs import enable_graphs, graphs_wanted, trainer_stream
+    from megatron_grpo.engine.graphs import enable_graphs, graph_fallback_reason, graphs_wanted, trainer_stream
     from megatron_grpo.engine.nonfinite import NonFiniteSkips
     from megatron_grpo.engine.setup import build_engine
     from megatron_grpo.engine.step import StepConfig
@@ -207,12 +207,17 @@ def build_run(cfg: TrainConfig, resume: bool = False) -> Run:
     from megatron_grpo.run.to_ranks import deliver, dp_ranks_of_all
     from megatron_grpo.run.trajlog import TrajectoryLog
     from model_bridge.config import ParallelLayout
+    from model_bridge.modeling.specs import resolve_backend
     from model_bridge.parallel import init_parallel
 
     p = cfg.parallel
     init_parallel(tp=p.tp, ep=p.ep, etp=p.etp, pp=p.pp, seed=cfg.trainer.seed)
     on_stream = ExitStack()  # the rank's work on the graphs' capture stream, from the engine's build on
-    graphs_on = graphs_wanted(cfg.trainer.cuda_graphs, cfg.packing.max_tokens_per_microbatch)
+    spec_backend = resolve_backend() if cfg.model.backend == "auto" else cfg.model.backend  # its name is enough here
+    graphs_on = graphs_wanted(cfg.trainer.cuda_graphs, cfg.packing.max_tokens_per_microbatch,
+                              graph_fallback_reason(cuda=torch.cuda.is_available(), tp=p.tp, pp=p.pp, ep=p.ep,
+                                                    backend=spec_backend, recompute=cfg.model.recompute,
+                                                    dtype=train_dtype(cfg)))
     on_stream.enter_context(trainer_stream(graphs_on))
     rank = dist.get_rank()
     run_dir = Path(cfg.trainer.run_dir)
@@ -245,7 +250,8 @@ def build_run(cfg: TrainConfig, resume: bool = False) -> Run:
                              pad_token_id=int(backend.tokenizer.pad_token_id or 0) if rank == 0 else 0)
         packing = _broadcast(packing)
         enable_graphs(engine, graphs_on, packing.max_tokens_per_microbatch, backend=cfg.model.backend,
-                      recompute=cfg.model.recompute, multiple=packing.pad_multiple)
+                      recompute=cfg.model.recompute, multiple=packing.pad_multiple,
+                      requested=cfg.trainer.cuda_graphs is True)
         step_cfg = StepConfig(loss=cfg.loss, importance=cfg.importance,
                               max_consecutive_skips=cfg.trainer.max_consecutive_skips,
                               logprob_chunk_size=cfg.trainer.logprob_chunk_size,

@@ -91,9 +91,10 @@ def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16
     init_parallel(seed=seed)
     from contextlib import ExitStack
 
-    from megatron_grpo.engine.graphs import graphs_wanted, trainer_stream
+    from megatron_grpo.engine.graphs import graph_fallback_reason, graphs_wanted, trainer_stream
 
-    graphs_setting, cuda_graphs = cuda_graphs, graphs_wanted(cuda_graphs, mb_tokens)  # as mgrpo train
+    graphs_setting = cuda_graphs  # resolved as mgrpo train does
+    cuda_graphs = graphs_wanted(cuda_graphs, mb_tokens, graph_fallback_reason(cuda=dev.type == "cuda"))
     on_stream = ExitStack()
     on_stream.enter_context(trainer_stream(cuda_graphs))  # as mgrpo train: from the engine's build on
     try:
@@ -108,7 +109,7 @@ def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16
 
         auto_budget = resolve_token_budget("auto", engine, chunk_tokens=StepConfig().logprob_chunk_size)
         mb_tokens = auto_budget if mb_tokens == "auto" else int(mb_tokens)  # then the graphs, as mgrpo train
-        graphs = enable_graphs(engine, cuda_graphs, mb_tokens, backend="auto")
+        graphs = enable_graphs(engine, cuda_graphs, mb_tokens, backend="auto", requested=graphs_setting is True)
         featurize = trainer_featurizer(AutoFeatureExtractor.from_pretrained(ckpt), not host_features)
         trajs = synth_trajectories(samples, engine.spec, max_tokens=mb_tokens, seed=seed,
                                    ranges=TINY_RANGES if tiny else None, n_window=engine.spec.audio.n_window)
@@ -260,7 +261,7 @@ def _print_table(res: dict) -> None:
     print(f"\n== bench train: {res['tokens_real']} tokens, {len(res['micro_batches'])} micro-batches, "
           f"{res['audio_clips']} clips ({res['audio_seconds']:.0f} s of audio), {res['device']}, "
           f"features on the {res['featurizer']}, cuda graphs "
-          f"{res['graph_buckets'] if res['cuda_graphs'] else _graphs_off(res['cuda_graphs_fallback'], res['cuda_graphs_setting'])}")
+          f"{res['graph_buckets'] if res['cuda_graphs'] else _graphs_off(res)}")
     for n, v in s.items():
         t = v.get("phase_s_median", v.get("step_s_median"))
         print(f"  {n:12s} {t * 1e3:10.1f} ms  {v.get('tok_per_s', 0):12.0f} tok/s")
@@ -316,10 +317,15 @@ def _cmd(args: argparse.Namespace) -> int:
     return 0
 
 
-def _graphs_off(reason, setting) -> str:
-    if reason:
-        return f"off: {reason}"
-    why = "trainer.cuda_graphs auto: on at budgets of at most 4,096 tokens" if setting == "auto" else "--no-cuda-graphs"
+def _graphs_off(res: dict) -> str:
+    if res["cuda_graphs_fallback"]:
+        return f"off: {res['cuda_graphs_fallback']}"
+    if res["device"] == "cpu":
+        return "off (no CUDA device)"
+    from megatron_grpo.engine.graphs import AUTO_MAX_BUDGET
+
+    why = (f"trainer.cuda_graphs auto: on at budgets of at most {AUTO_MAX_BUDGET:,} tokens"
+           if res["cuda_graphs_setting"] == "auto" else "--no-cuda-graphs")
     return f"off ({why}; --cuda-graphs turns them on)"
 
 

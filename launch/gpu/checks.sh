@@ -22,7 +22,9 @@ set -uo pipefail
 OUT=${1:?usage: launch/gpu/checks.sh OUT [tests|tests1|tests2|layers2|layers2g|layers4|layers8|mb3072|ep2|ep4|ep8|ep8_16l|sync|train4|train8|profile4|graphs4|graphs4_16k ...]}
 shift
 STEPS=("${@:-tests layers2}")
-mkdir -p "$OUT"
+# OUT must be new or empty: at the end everything under it may be packed into one archive and removed
+if [ -n "$(ls -A "$OUT" 2>/dev/null)" ]; then echo "checks.sh: $OUT is not empty: give a new folder"; exit 2; fi
+mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/../.."
 if ! python3 -c "import megatron.core" 2>/dev/null; then
   whl=$(ls .whl/megatron_core-*.whl 2>/dev/null | head -1)
@@ -42,9 +44,10 @@ for step in ${STEPS[@]}; do
            n=$(echo $files | wc -w); half=$(( (n + 1) / 2 ))
            [ "$step" = tests1 ] && files=$(echo $files | tr ' ' '\n' | head -n $half)
            [ "$step" = tests2 ] && files=$(echo $files | tr ' ' '\n' | tail -n +$((half + 1)))
+           [ -n "$files" ] || { echo "== $step: no test files"; continue; }  # pytest would collect all of tests/
            echo "== $step: pytest -m gpu $(echo $files | wc -w) of $n files"
            timeout 560 python3 -m pytest -q -m gpu -p no:cacheprovider -rs --durations=10 $files 2>&1 \
-             | tee "$OUT/gpu_$step.log" | grep -v "warn\|^  \|^$" | tail -25 || rc=1 ;;
+             | tee "$OUT/gpu_$step.log" | grep -Ev '^  |^$|[Ww]arning:|warnings\.warn' | tail -25 || rc=1 ;;
     layers2) bench layers2 300 layers --layers 2 --systems ours,ours_graph,ours_sepqkn,ours_mb,ours_mb_graph,ours_mb_rc,hf_bs1,hf_bs4 --out "$OUT/layers2" || rc=1 ;;
     layers2g) bench layers2g 300 layers --layers 2 --systems ours,ours_mb,ours_mb_graph --out "$OUT/layers2g" || rc=1 ;;
     train4) bench train4 540 train --layers 4 --out "$OUT/train4" --work-dir /tmp/bench_train || rc=1 ;;
@@ -79,7 +82,8 @@ PY
 done
 # the device tool brings back at most 8 files from OUT: past that, one archive of them all
 if [ "$(find "$OUT" -type f | wc -l)" -gt 8 ]; then
-  tar czf /tmp/checks.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/checks.tgz "$OUT/checks.tgz" \
+  tgz=$(mktemp /tmp/checks.XXXXXX.tgz)
+  tar czf "$tgz" -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv "$tgz" "$OUT/checks.tgz" \
     && echo "== $OUT/checks.tgz: every file of this run (tar xzf it)"
 fi
 exit $rc

@@ -71,7 +71,8 @@ MIN_SLOTS = 8
 AUTO_MAX_BUDGET = 4096
 """``trainer.cuda_graphs: auto`` turns graphs on for a fixed token budget of at most this many tokens:
 there the eager micro-batches are host-bound and graphs made the 4-layer training phase 1.13x
-faster; at 16,384 tokens (0.966x) and at the ``auto`` budget of 65,536 (0.958x) the eager phase is
+faster (2026-12-04, before each graph took its own shape and the padding mask came in: not yet
+re-measured with them); at 16,384 tokens (0.966x) and at the ``auto`` budget of 65,536 (0.958x) the eager phase is
 GPU-bound and the graphed attention's wider grid and the bucket padding cost more than the launches
 they save (one H200, 2026-12-04/05, docs/performance.md, "Training phase")."""
 
@@ -98,19 +99,26 @@ def trainer_stream(enabled: bool = True):
         torch.cuda.graph.default_capture_stream = prev
 
 
-def graphs_wanted(setting: Union[bool, str], budget: Union[int, str]) -> bool:
+def graphs_wanted(setting: Union[bool, str], budget: Union[int, str], fallback: Optional[str] = None) -> bool:
     """``trainer.cuda_graphs`` resolved against the configured ``packing.max_tokens_per_microbatch``
     before the engine is built (the trainer's stream must be entered by then): ``auto`` is on for a
-    number of at most :data:`AUTO_MAX_BUDGET` tokens, off for a larger one or the ``auto`` budget
-    (logged). Whether graphs then apply is :func:`enable_graphs`' question."""
+    number of at most :data:`AUTO_MAX_BUDGET` tokens and no ``fallback`` (the
+    :func:`graph_fallback_reason` of what the config already tells: device, parallel layout, layer
+    spec, recomputation, dtype), off otherwise, logged on GPU. Whether graphs then apply is
+    :func:`enable_graphs`' question."""
     if setting != "auto":
         return bool(setting)
-    on = budget != "auto" and int(budget) <= AUTO_MAX_BUDGET
-    if not on and torch.cuda.is_available():
-        log.info("trainer.cuda_graphs: auto: off at a token budget of %s (graphs pay at budgets of at most %d "
-                 "tokens, where eager micro-batches are host-bound; trainer.cuda_graphs=true turns them on)",
-                 budget, AUTO_MAX_BUDGET)
-    return on
+    small = budget != "auto" and int(budget) <= AUTO_MAX_BUDGET
+    if small and fallback is None:
+        return True
+    if torch.cuda.is_available():
+        if fallback is not None and small:
+            log.info("trainer.cuda_graphs: auto: off: %s", fallback)
+        else:
+            log.info("trainer.cuda_graphs: auto: off at a token budget of %s (graphs pay at budgets of at most %d "
+                     "tokens, where eager micro-batches are host-bound; trainer.cuda_graphs=true turns them on)",
+                     budget, AUTO_MAX_BUDGET)
+    return False
 
 
 def graph_fallback_reason(*, cuda: bool, tp: int = 1, pp: int = 1, ep: int = 1, backend: str = "torch",
@@ -400,10 +408,11 @@ class MicroBatchGraphs:
 
 
 def enable_graphs(engine, enabled: bool, budget: int, *, backend: str = "auto", recompute: str = "none",
-                  multiple: int = 1) -> Optional[MicroBatchGraphs]:
+                  multiple: int = 1, requested: bool = True) -> Optional[MicroBatchGraphs]:
     """Set up ``engine.graphs`` (read by ``engine.step.forward_backward``) when
     ``enabled`` and the configuration allows (:func:`graph_fallback_reason`; else one logged line
-    with the reason and eager micro-batches). Returns the graphs or None."""
+    with the reason and eager micro-batches: a warning where the user asked for graphs on GPU,
+    info where ``auto`` chose them, ``requested`` False). Returns the graphs or None."""
     from model_bridge.modeling.specs import resolve_backend
 
     from .setup import unwrapped
@@ -416,8 +425,8 @@ def enable_graphs(engine, enabled: bool, budget: int, *, backend: str = "auto", 
                                 backend=resolve_backend(backend), recompute=recompute, dtype=engine.dtype,
                                 head_dim=text.head_dim)
     if why is not None:
-        # on CPU that is the expected case (the default config is on): no warning in every CPU run
-        log.log(logging.INFO if not torch.cuda.is_available() else logging.WARNING,
+        # on CPU that is the expected case: no warning in every CPU run
+        log.log(logging.WARNING if torch.cuda.is_available() and requested else logging.INFO,
                 "trainer.cuda_graphs: micro-batches run eagerly: %s", why)
         engine.graphs_fallback = why
         return None

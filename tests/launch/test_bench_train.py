@@ -90,3 +90,18 @@ def test_bench_train_refuses_a_bad_budget(value, capsys):
         main(["--mb-tokens", value])
     assert e.value.code == 2
     assert f"argument --mb-tokens: expected a positive number of tokens or auto, got {value!r}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("res,line", [
+    (dict(cuda_graphs_fallback="expert parallelism (ep=2): x", device="cuda", cuda_graphs_setting=True),
+     "off: expert parallelism (ep=2): x"),
+    (dict(cuda_graphs_fallback=None, device="cpu", cuda_graphs_setting="auto"), "off (no CUDA device)"),
+    (dict(cuda_graphs_fallback=None, device="cuda", cuda_graphs_setting="auto"),
+     "off (trainer.cuda_graphs auto: on at budgets of at most 4,096 tokens; --cuda-graphs turns them on)"),
+    (dict(cuda_graphs_fallback=None, device="cuda", cuda_graphs_setting=False),
+     "off (--no-cuda-graphs; --cuda-graphs turns them on)"),
+])
+def test_the_table_says_why_graphs_are_off(res, line):
+    from launch.bench.train import _graphs_off
+
+    assert _graphs_off(res) == line

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from launch.slurm.node import _ENDED_STATES
 from slurm_local import local_slurm
 
 __all__ = ["local_slurm"]  # the session fixture, used by name below
@@ -75,10 +76,6 @@ def _logs(jobs: dict, cluster) -> str:
     return "\n".join(parts)
 
 
-ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
-"""Slurm's final job states."""
-
-
 def _wait(cond, timeout: float, what: str, jobs: dict, cluster, poll: float = 0.5, unless_ended: str = ""):
     """Poll ``cond`` until it is true; fail after ``timeout``, or at once when the job
     ``jobs[unless_ended]`` has ended (a trainer that crashed at its start is not waited for)."""
@@ -88,7 +85,7 @@ def _wait(cond, timeout: float, what: str, jobs: dict, cluster, poll: float = 0.
         if v:
             return v
         state = cluster.job(jobs[unless_ended]).get("JobState", "") if unless_ended else ""
-        if state in ENDED:
+        if state in _ENDED_STATES and not cond():  # cond again: the job may have ended right after it came true
             pytest.fail(f"the {unless_ended} job ended ({state}) while waiting for {what}\n{_logs(jobs, cluster)}")
         time.sleep(poll)
     pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}\n{_logs(jobs, cluster)}")

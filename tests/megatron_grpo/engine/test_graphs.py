@@ -452,6 +452,34 @@ def test_auto_turns_graphs_on_at_small_budgets_only(setting, budget, on, caplog,
                                 "host-bound; trainer.cuda_graphs=true turns them on)"])
 
 
+def test_auto_stays_off_where_graphs_cannot_apply(caplog, monkeypatch):
+    from megatron_grpo.engine import graphs
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    why = graphs.graph_fallback_reason(cuda=True, ep=2)
+    with caplog.at_level(logging.INFO, logger="megatron_grpo.engine.graphs"):
+        assert graphs.graphs_wanted("auto", 4096, why) is False
+        assert graphs.graphs_wanted(True, 4096, why) is True  # asked for: enable_graphs warns with the reason
+    assert caplog.messages == [f"trainer.cuda_graphs: auto: off: {why}"]
+
+
+def test_an_auto_choice_that_cannot_apply_is_not_a_warning(caplog, monkeypatch):
+    from types import SimpleNamespace
+
+    from megatron_grpo.engine import graphs
+    from model_bridge.config import ParallelLayout
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    engine = SimpleNamespace(layout=ParallelLayout(), spec=SimpleNamespace(text=SimpleNamespace(head_dim=10)),
+                             dtype=torch.bfloat16, graphs=None, graphs_fallback=None)
+    with caplog.at_level(logging.INFO, logger="megatron_grpo.engine.graphs"):
+        graphs.enable_graphs(engine, True, 4096, backend="torch", requested=False)
+        graphs.enable_graphs(engine, True, 4096, backend="torch")
+    assert [r.levelname for r in caplog.records] == ["INFO", "WARNING"]
+    assert caplog.messages[0] == f"trainer.cuda_graphs: micro-batches run eagerly: {engine.graphs_fallback}"
+    assert "head size 10" in engine.graphs_fallback
+
+
 def test_cuda_graphs_setting_names_its_choices():
     from megatron_grpo.config import TrainConfig, load_train_config
     from megatron_grpo.configtree import ConfigKeyError
