@@ -207,16 +207,14 @@ def build_run(cfg: TrainConfig, resume: bool = False) -> Run:
     from megatron_grpo.run.to_ranks import deliver, dp_ranks_of_all
     from megatron_grpo.run.trajlog import TrajectoryLog
     from model_bridge.config import ParallelLayout
-    from model_bridge.modeling.specs import resolve_backend
     from model_bridge.parallel import init_parallel
 
     p = cfg.parallel
     init_parallel(tp=p.tp, ep=p.ep, etp=p.etp, pp=p.pp, seed=cfg.trainer.seed)
     on_stream = ExitStack()  # the rank's work on the graphs' capture stream, from the engine's build on
-    spec_backend = resolve_backend() if cfg.model.backend == "auto" else cfg.model.backend  # its name is enough here
     graphs_on = graphs_wanted(cfg.trainer.cuda_graphs, cfg.packing.max_tokens_per_microbatch,
                               graph_fallback_reason(cuda=torch.cuda.is_available(), tp=p.tp, pp=p.pp, ep=p.ep,
-                                                    backend=spec_backend, recompute=cfg.model.recompute,
+                                                    backend=cfg.model.backend, recompute=cfg.model.recompute,
                                                     dtype=train_dtype(cfg)))
     on_stream.enter_context(trainer_stream(graphs_on))
     rank = dist.get_rank()

@@ -93,10 +93,9 @@ def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16
 
     from megatron_grpo.engine.graphs import graph_fallback_reason, graphs_wanted, trainer_stream
 
-    graphs_setting = cuda_graphs  # resolved as mgrpo train does
-    cuda_graphs = graphs_wanted(cuda_graphs, mb_tokens, graph_fallback_reason(cuda=dev.type == "cuda"))
+    graphs_on = graphs_wanted(cuda_graphs, mb_tokens, graph_fallback_reason(cuda=dev.type == "cuda", backend="auto"))
     on_stream = ExitStack()
-    on_stream.enter_context(trainer_stream(cuda_graphs))  # as mgrpo train: from the engine's build on
+    on_stream.enter_context(trainer_stream(graphs_on))  # as mgrpo train: from the engine's build on
     try:
         dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
         say(f"engine on {dev} ({dtype}) ...")
@@ -109,7 +108,7 @@ def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16
 
         auto_budget = resolve_token_budget("auto", engine, chunk_tokens=StepConfig().logprob_chunk_size)
         mb_tokens = auto_budget if mb_tokens == "auto" else int(mb_tokens)  # then the graphs, as mgrpo train
-        graphs = enable_graphs(engine, cuda_graphs, mb_tokens, backend="auto", requested=graphs_setting is True)
+        graphs = enable_graphs(engine, graphs_on, mb_tokens, backend="auto", requested=cuda_graphs is True)
         featurize = trainer_featurizer(AutoFeatureExtractor.from_pretrained(ckpt), not host_features)
         trajs = synth_trajectories(samples, engine.spec, max_tokens=mb_tokens, seed=seed,
                                    ranges=TINY_RANGES if tiny else None, n_window=engine.spec.audio.n_window)
@@ -136,7 +135,7 @@ def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16
         profiles = {n: _profile(fn, out / f"profile_{n}.txt") for n, fn in bench.systems(list(profile)).items()}
         res = {"env": _env(dev), "device": str(dev), "checkpoint": str(ckpt), "layers": None if tiny else layers,
                "audio_layers": None if tiny else audio_layers, "tiny": tiny, "samples": samples,
-               "mb_tokens": mb_tokens, "auto_budget": auto_budget, "host_features": host_features, "cuda_graphs_setting": graphs_setting,
+               "mb_tokens": mb_tokens, "auto_budget": auto_budget, "host_features": host_features, "cuda_graphs_setting": cuda_graphs,
                "cuda_graphs": graphs is not None,
                "cuda_graphs_fallback": engine.graphs_fallback,
                "graph_buckets": sorted(graphs.graphed) if graphs else [],

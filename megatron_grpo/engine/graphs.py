@@ -124,9 +124,13 @@ def graphs_wanted(setting: Union[bool, str], budget: Union[int, str], fallback: 
 def graph_fallback_reason(*, cuda: bool, tp: int = 1, pp: int = 1, ep: int = 1, backend: str = "torch",
                           recompute: str = "none", dtype: torch.dtype = torch.bfloat16,
                           head_dim: int = 128) -> Optional[str]:
-    """Why the trainer's micro-batches cannot be CUDA-graphed in this configuration (module doc), or None."""
+    """Why the trainer's micro-batches cannot be CUDA-graphed in this configuration (module doc), or None.
+    ``backend`` ``auto`` is the layer spec it resolves to here; a named one is taken as it is."""
     from model_bridge.modeling.attention import flash_refusal_for
+    from model_bridge.modeling.specs import resolve_backend
 
+    if backend == "auto":
+        backend = resolve_backend()
     if not cuda:
         return "no CUDA device (graphs are a GPU feature)"
     if pp > 1:
