@@ -10,10 +10,10 @@ from launch.bench._layers_timing import _bench_fn, time_alternating
 
 
 def kernel_ceiling(g: dict, lengths: list[int], counts_per_layer: list[list[int]], device, dtype,
-                   paired_step=None, warmup: int = 3, iters: int = 6) -> dict:
+                   paired_step=None, warmup: int = 3, iters: int = 6, back_to_back: bool = True) -> dict:
     """The essential kernels of each layer, fwd+bwd, on the same shapes (:mod:`launch.bench.layers`).
 
-    Two measurements of the same kernels:
+    Two measurements of the same kernels (the second only with ``back_to_back``):
 
     * ``total_s`` (the ceiling of the target, as the issue defines it) and ``layers``: each part
       (both grouped GEMMs with that layer's token counts, attention, the dense GEMMs)
@@ -96,6 +96,8 @@ def kernel_ceiling(g: dict, lengths: list[int], counts_per_layer: list[list[int]
                               "varlen_attn_tflops": 3 * fl["attn"] / t_attn / 1e12,
                               "dense_tflops": 3 * fl["dense"] / t_dense / 1e12})
     out["total_s"] = sum(x["grouped_mm_s"] + x["varlen_attn_s"] + x["dense_s"] for x in out["layers"])
+    if not back_to_back:
+        return out
     # the ceiling step, taking turns with ours
     fns = [ceiling_step] + ([paired_step] if paired_step is not None else [])
     times = time_alternating(fns, device, warmup, iters)
@@ -105,3 +107,31 @@ def kernel_ceiling(g: dict, lengths: list[int], counts_per_layer: list[list[int]
         out["paired_step_s"] = times[1]
         out["paired_step_s_median"] = statistics.median(times[1])
     return out
+
+
+def micro_batch_shapes(lengths: list[int], groups: list[list[int]], counts: list[list[int]],
+                       layers: int) -> list[tuple[list[int], list[list[int]]]]:
+    """Per micro-batch: its samples' lengths and its layers' expert counts. ``groups``: sample
+    indices per micro-batch; ``counts``: the expert counts of every forward call of the experts in
+    the order they ran (micro-batch 0's layers, then micro-batch 1's, ...)."""
+    if len(counts) != len(groups) * layers:
+        raise ValueError(f"expected the expert counts of {len(groups)} micro-batch(es) x {layers} layer(s) = "
+                         f"{len(groups) * layers} expert calls, got {len(counts)} (a system that recomputes "
+                         "the experts in its backward calls them twice: capture the counts of one without)")
+    return [([lengths[i] for i in grp], counts[k * layers:(k + 1) * layers]) for k, grp in enumerate(groups)]
+
+
+def micro_batch_ceiling(g: dict, lengths: list[int], groups: list[list[int]], counts: list[list[int]],
+                        device, dtype) -> dict:
+    """:func:`kernel_ceiling`'s parts (each timed alone) at each micro-batch's own shapes, summed:
+    what the same kernels need when the batch is cut into ``groups`` (each micro-batch's grouped
+    GEMMs write every expert's weight gradient again; ~256 rows per expert at 4,096 tokens). Its
+    ratio to the whole batch's ceiling is the most a micro-batched step can reach of that ceiling
+    with these kernels."""
+    shapes = micro_batch_shapes(lengths, groups, counts, g["layers"])
+    if device.type != "cuda":
+        return {"note": "kernel ceiling needs CUDA (varlen_attn)"}
+    per = [kernel_ceiling(g, lens, c, device, dtype, back_to_back=False) for lens, c in shapes]
+    return {"total_s": sum(p["total_s"] for p in per),
+            "micro_batches": [{"tokens": sum(lens), "total_s": p["total_s"], "layers": p["layers"]}
+                              for (lens, _), p in zip(shapes, per)]}

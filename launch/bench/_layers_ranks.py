@@ -7,7 +7,7 @@ import statistics
 import time
 from pathlib import Path
 
-from launch.bench._layers_ceiling import kernel_ceiling
+from launch.bench._layers_ceiling import kernel_ceiling, micro_batch_ceiling
 from launch.bench._layers_geometry import (_DTYPES, _base_lengths, geometry, make_batch, omni_config, pack_by_budget,
                                            rank_lengths, useful_flops)
 from launch.bench._layers_hf import build_hf, hf_state_as_checkpoint, run_hf
@@ -143,6 +143,7 @@ def _rank_run(out: Path, layers, tokens, ep, tiny, systems, warmup, iters, seed,
             log(f"{name}: skipped (a CUDA graph needs a GPU)")
             continue
         budget = mb_tokens if mb else None
+        groups = pack_by_budget(lengths, budget)
         stream = contextlib.ExitStack()  # a graph system's model lives on its own stream (graph_stream)
         if graph:
             stream.enter_context(graph_stream(device))
@@ -156,11 +157,14 @@ def _rank_run(out: Path, layers, tokens, ep, tiny, systems, warmup, iters, seed,
             profile = out / (f"bench_layers_ep{ep}_profile_rank{rank}.txt" if ep > 1 else "bench_layers_profile.txt")
         elif name in ("ours_mb", "ours_sepqkn"):
             profile = out / f"bench_layers_profile_{name}.txt"
+        # the first micro-batched system without recomputation records its micro-batches' expert counts
+        mb_counts = (mb and recompute == "none" and ceiling and dist.get_world_size() == 1
+                     and "kernel_ceiling_micro_batches" not in res)
         with armed(f"{name}: first step, {warmup} warm-up and {n_it} timed fwd+bwd steps"
                    + (", profile" if profile is not None and device.type == "cuda" else "")), \
                 qk_norm_rope_env(qk_norm_rope):
             r = run_ours(model, spec, ids, probe, norm_w, device, warmup if backend == "torch" else 1, n_it,
-                         profile_path=profile, capture_counts=(name == "ours"), groups=pack_by_budget(lengths, budget),
+                         profile_path=profile, capture_counts=(name == "ours" or mb_counts), groups=groups,
                          barrier=dist.barrier if ep > 1 else None, keep_step=(name == "ours"),
                          diagnose=(ep == 1 and backend == "torch"), graph=graph, replay=(name == "ours_replay"))
         paired = r.pop("step", None)
@@ -176,6 +180,13 @@ def _rank_run(out: Path, layers, tokens, ep, tiny, systems, warmup, iters, seed,
                 f"the parts back to back {ceil['back_to_back_s_median'] * 1e3:.1f} ms, ours taking turns with "
                 f"them {ceil['paired_step_s_median'] * 1e3:.1f} ms")
         del paired
+        if mb_counts:
+            with armed(f"kernel ceiling at the {len(groups)} micro-batches' shapes"):
+                res["kernel_ceiling_micro_batches"] = mbc = micro_batch_ceiling(g, lengths, groups, r["expert_counts"],
+                                                                                device, dtype)
+            if "total_s" in mbc:
+                log(f"kernel ceiling at the shapes of {len(groups)} micro-batches of <= {budget} tokens: "
+                    f"{mbc['total_s'] * 1e3:.1f} ms per step (its parts benchmarked alone)")
         peak = r["peak_gib"]
         extra = {"backend": backend, "recompute": recompute, "qk_norm_rope_fused": qk_norm_rope,
                  "micro_batch_tokens": r["micro_batch_tokens"],

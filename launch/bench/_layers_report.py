@@ -31,6 +31,12 @@ def _ratios(res: dict) -> dict:
                     r[f"{name}_{tag}_vs_kernel_ceiling"] = kc["total_s"] / s[name][key]
             if name == "ours" and "paired_step_s_median" in kc:  # the stricter ceiling, same rounds
                 r["ours_vs_kernel_ceiling_back_to_back"] = kc["back_to_back_s_median"] / kc["paired_step_s_median"]
+    mbc = res.get("kernel_ceiling_micro_batches", {})
+    if "total_s" in mbc:  # the same kernels at the micro-batches' shapes
+        for name in [n for n in s if n.startswith("ours_mb")]:
+            r[f"{name}_vs_kernel_ceiling_at_micro_batches"] = mbc["total_s"] / s[name]["step_s_median"]
+        if "total_s" in kc:  # the most a micro-batched step reaches of the whole batch's ceiling with these kernels
+            r["kernel_ceiling_vs_at_micro_batches"] = kc["total_s"] / mbc["total_s"]
     if "ours_replay" in s and "ours" in s:  # routing replay side by side with the same step unreplayed
         r["ours_replay_vs_ours_step_s"] = s["ours_replay"]["step_s_median"] / s["ours"]["step_s_median"]
     r["targets"] = {

@@ -33,7 +33,14 @@ What runs (one process, one GPU; all systems get the same weights and the same t
   if they did nothing but these kernels; ``ours / ceiling`` is ceiling time over our time. A
   stricter ceiling rides along: the same parts back to back in one timed step (no host gaps
   between them), taking turns with our step so that both run in the same GPU state (an H200 at
-  its power limit lowers its clocks under back-to-back work); ``ours_vs_kernel_ceiling_back_to_back``.
+  its power limit lowers its clocks under back-to-back work); ``ours_vs_kernel_ceiling_back_to_back``;
+* **kernel ceiling at the micro-batches** (JSON ``kernel_ceiling_micro_batches``; with a
+  micro-batched system): the same parts at each micro-batch's own shapes (its lengths, the expert
+  counts it routed), summed over the micro-batches: what these kernels need when the batch is cut
+  into ``--mb-tokens`` pieces (every piece writes every expert's weight gradient again).
+  ``ours_mb*_vs_kernel_ceiling_at_micro_batches`` is that time over the system's, and
+  ``kernel_ceiling_vs_at_micro_batches`` (the whole batch's ceiling over it) the most a
+  micro-batched step can reach of the whole batch's ceiling with these kernels.
 
 Geometry: Qwen3-Omni-30B-A3B's thinker (hidden 2048, 32 query / 4 KV heads of 128, 128 experts
 top-8 of width 768, vocab 152064, RMSNorm eps 1e-6, interleaved MRoPE) with ``--layers`` layers;

@@ -5,6 +5,7 @@
 #
 # STEP (default: tests layers2): tests | tests1 | tests2 | layers2 | layers2g | layers4 | layers8 | mb3072
 #       | ep2 | ep4 | ep8 | ep8_16l | sync | train4 | train8 | profile4 | graphs4 | graphs4_16k
+#       | graphs4_4k
 # * installs megatron-core from .whl/megatron_core-*.whl when it does not import (only that wheel:
 #   soundfile's wheel needs cffi, which the image lacks, and breaks librosa's import);
 # * tests: pytest -m gpu over the test files that have GPU tests (collecting all of tests/ fails
@@ -15,11 +16,12 @@
 #   profile4: the 4-layer phase, the layer stack + LM head and the audio tower alone, each once
 #   more under torch.profiler, their top kernels in OUT/profile4/profile_*.txt; graphs4*: the
 #   training phase with and without trainer.cuda_graphs, one after the other on the same
-#   checkpoint and trajectories, at the auto budget / at 16,384 tokens);
+#   checkpoint and trajectories, at the auto budget / at 16,384 tokens / at 4,096 tokens with 16
+#   samples, a budget where trainer.cuda_graphs: auto turns graphs on);
 # every step has its own time limit and writes under OUT (logs, JSON, PNG, profiles); more than 8 files
 # there end up in one archive, OUT/checks.tgz (the device tool returns at most 8 files).
 set -uo pipefail
-OUT=${1:?usage: launch/gpu/checks.sh OUT [tests|tests1|tests2|layers2|layers2g|layers4|layers8|mb3072|ep2|ep4|ep8|ep8_16l|sync|train4|train8|profile4|graphs4|graphs4_16k ...]}
+OUT=${1:?usage: launch/gpu/checks.sh OUT [tests|tests1|tests2|layers2|layers2g|layers4|layers8|mb3072|ep2|ep4|ep8|ep8_16l|sync|train4|train8|profile4|graphs4|graphs4_16k|graphs4_4k ...]}
 shift
 STEPS=("${@:-tests layers2}")
 # OUT must be new or empty: at the end everything under it may be packed into one archive and removed
@@ -54,10 +56,10 @@ for step in ${STEPS[@]}; do
     profile4) bench profile4 400 train --layers 4 --samples 64 --systems train,stack_lm,audio --iters 2 \
                 --profile train,stack_lm,audio --out "$OUT/profile4" --work-dir /tmp/bench_train || rc=1 ;;
     train8) bench train8 570 train --layers 8 --out "$OUT/train8" --work-dir /tmp/bench_train || rc=1 ;;
-    graphs4|graphs4_16k)
-      mb=auto; [ "$step" = graphs4_16k ] && mb=16384
+    graphs4|graphs4_16k|graphs4_4k)
+      mb=auto; samples=64; [ "$step" = graphs4_16k ] && mb=16384; [ "$step" = graphs4_4k ] && mb=4096 samples=16
       for g in cuda-graphs no-cuda-graphs; do
-        bench "${step}_$g" 280 train --layers 4 --samples 64 --mb-tokens $mb --systems train,stack_lm --iters 2 \
+        bench "${step}_$g" 280 train --layers 4 --samples $samples --mb-tokens $mb --systems train,stack_lm --iters 2 \
           --$g --out "$OUT/${step}_$g" --work-dir /tmp/bench_train || rc=1
       done
       python3 - "$OUT/${step}_cuda-graphs/bench_train.json" "$OUT/${step}_no-cuda-graphs/bench_train.json" <<'PY' || rc=1

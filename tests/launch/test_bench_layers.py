@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from launch.bench._layers_ceiling import micro_batch_shapes
 from launch.bench._layers_timing import time_alternating
 
 REPO = Path(__file__).resolve().parents[2]
@@ -29,6 +30,19 @@ def test_time_alternating_takes_turns_after_untimed_warmup():
     assert calls == ["a", "b", "c"] * 5
     assert [len(t) for t in times] == [3, 3, 3]
     assert all(s >= 0 for t in times for s in t)
+
+
+def test_micro_batch_shapes_cut_lengths_and_counts_by_micro_batch():
+    lengths = [5, 9, 3, 7]
+    groups = [[1], [0, 3], [2]]
+    counts = [[1, 2], [3, 4], [5, 6], [7, 8], [9, 10], [11, 12]]  # 3 micro-batches x 2 layers, in call order
+    assert micro_batch_shapes(lengths, groups, counts, layers=2) == [
+        ([9], [[1, 2], [3, 4]]), ([5, 7], [[5, 6], [7, 8]]), ([3], [[9, 10], [11, 12]])]
+    with pytest.raises(ValueError) as e:
+        micro_batch_shapes(lengths, groups, counts + [[0, 0]], layers=2)
+    assert str(e.value) == ("expected the expert counts of 3 micro-batch(es) x 2 layer(s) = 6 expert calls, got 7 "
+                            "(a system that recomputes the experts in its backward calls them twice: capture the "
+                            "counts of one without)")
 
 
 @pytest.mark.gpu
@@ -69,8 +83,17 @@ def test_graph_systems_replay_the_eager_step(tmp_path):
     p = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONUNBUFFERED": "1"}, capture_output=True, text=True,
                        timeout=400)
     assert p.returncode == 0, (p.stdout + p.stderr)[-6000:]
-    s = json.loads((out / "bench_layers.json").read_text())["systems"]
+    res = json.loads((out / "bench_layers.json").read_text())
+    s = res["systems"]
     assert len(s["ours_mb_graph"]["micro_batch_tokens"]) > 1  # gradients accumulate inside the graph
+    # the kernel ceiling at the micro-batches' own shapes: one entry per micro-batch, summed
+    mbc = res["kernel_ceiling_micro_batches"]
+    assert [m["tokens"] for m in mbc["micro_batches"]] == s["ours_mb"]["micro_batch_tokens"]
+    assert all(len(m["layers"]) == 2 for m in mbc["micro_batches"])
+    assert mbc["total_s"] == pytest.approx(sum(m["total_s"] for m in mbc["micro_batches"]))
+    for name in ("ours_mb", "ours_mb_graph"):
+        assert res["ratios"][f"{name}_vs_kernel_ceiling_at_micro_batches"] == pytest.approx(
+            mbc["total_s"] / s[name]["step_s_median"])
     for name in ("ours_graph", "ours_mb_graph"):
         v = s[name]
         assert v["graph_output_equals_eager"] is True, name
