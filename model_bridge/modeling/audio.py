@@ -36,6 +36,7 @@ the layers' weights are re-tagged ``tensor_model_parallel=False`` so grad-norm/z
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -168,12 +169,16 @@ def audio_layer_spec(core_attention=None):
     ``linear_qkv`` (column, bias) -> non-causal packed core attention -> ``linear_proj`` (row,
     bias), no q/k norm, no rotary; ``mlp``: ``linear_fc1`` (column, bias) -> GELU ->
     ``linear_fc2`` (row, bias). Built from megatron's own local GPT spec so the wiring follows
-    the installed megatron-core version (0.16 and 0.19 differ in how MLPs are specified).
+    the installed megatron-core version (0.16 and 0.19 differ in how MLPs are specified). The four
+    linears are megatron's, adding their bias in the GEMM where the layer has its TP group to itself
+    (``bias_linear.py``).
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.identity_op import IdentityOp
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from .bias_linear import BiasInGemmColumnLinear, BiasInGemmRowLinear
 
     spec = get_gpt_layer_local_spec(num_experts=None, qk_layernorm=False, normalization="LayerNorm")
     sub = spec.submodules
@@ -184,6 +189,15 @@ def audio_layer_spec(core_attention=None):
     attn.submodules.core_attention = core_attention or _packed_core_attention_cls()
     attn.submodules.q_layernorm = IdentityOp
     attn.submodules.k_layernorm = IdentityOp
+    # megatron 0.16: a ModuleSpec; 0.19: functools.partial(MLP..., submodules=MLPSubmodules(...))
+    mlp = sub.mlp.keywords["submodules"] if isinstance(sub.mlp, functools.partial) else sub.mlp.submodules
+    for subs, name, cls in ((attn.submodules, "linear_qkv", BiasInGemmColumnLinear),
+                            (attn.submodules, "linear_proj", BiasInGemmRowLinear),
+                            (mlp, "linear_fc1", BiasInGemmColumnLinear), (mlp, "linear_fc2", BiasInGemmRowLinear)):
+        if not issubclass(cls, getattr(subs, name)):
+            raise TypeError(f"audio layer spec: expected megatron's {cls.__mro__[2].__name__} as {name}, got "
+                            f"{getattr(subs, name)!r} (a megatron-core whose local spec changed)")
+        setattr(subs, name, cls)
     return spec
 
 

@@ -5,7 +5,9 @@ TP=1 (on rank 0, under a DP=2 layout), TP=2 with 4 audio heads (tensor-parallel 
 TP=2 with 3 audio heads (encoder replicated on both TP ranks). Clip sets: one 3 s clip; 0.5 s +
 3 s + 12 s in one packed call (crosses chunk and 800-frame window boundaries); clips all shorter
 than one chunk; the 1-frame dummy clip. HF weights are randomised at a scale where a wrong
-wiring shows (std 0.2), and copied in with the test-only ``_hf_to_megatron_local`` helper.
+wiring shows (std 0.2), and copied in with the test-only ``_hf_to_megatron_local`` helper. The
+encoder's linears add their bias in the GEMM where they are alone on their TP group (TP=1 and the
+replicated encoder) and are megatron's own where TP shards them: both paths are checked here.
 """
 from __future__ import annotations
 
@@ -168,6 +170,9 @@ def _compare(cfg_name: str, clips: str, tp: int) -> dict:
         names=sorted(own),
         tp_tagged=sorted(n for n, p in own.items() if getattr(p, "tensor_model_parallel", False)),
         sp_tagged=sorted(n for n, p in own.items() if getattr(p, "sequence_parallel", False)),
+        # which encoder linears add their bias in the GEMM (bias_linear.py: alone on their TP group)
+        bias_in_gemm=sorted({getattr(m, "_bias_in_gemm", None) for m in tower.encoder.modules()
+                             if type(m).__name__.startswith("BiasInGemm")}, key=str),
         grads={n: p.grad.clone() for n, p in own.items()} if not sharded and tp > 1 else None,
         replica_ids=_replica_ids(tower) if tp > 1 else None,
     )
@@ -256,6 +261,7 @@ def _check_close(r):
 def test_tp1_matches_hf(results, clips):
     for r in _cases(results, cfg="h4", clips=clips, tp=1):
         _check_close(r)
+        assert r["bias_in_gemm"] == [True]  # all four linears of every layer: F.linear, the bias in the GEMM
 
 
 def test_tp1_three_heads_matches_hf(results):
@@ -270,6 +276,7 @@ def test_tp2_sharded_matches_hf(results, clips):
     for r in rs:
         assert r["sharded"]
         _check_close(r)
+        assert r["bias_in_gemm"] == [False]  # TP shards: megatron's own linears
         # column-parallel weights are TP shards; dist-ckpt tensors are the global shapes
         assert "encoder.layers.0.self_attention.linear_qkv.weight" in r["tp_tagged"]
 
@@ -281,6 +288,7 @@ def test_tp2_replicated_matches_hf_with_identical_grads(results, clips):
     for r in rs:
         assert not r["sharded"]
         _check_close(r)
+        assert r["bias_in_gemm"] == [True]  # replicated over a single-rank group: alone on it
         assert not r["tp_tagged"], f"replicated weights tagged tensor_model_parallel: {r['tp_tagged']}"
     g0, g1 = rs[0]["grads"], rs[1]["grads"]
     for n in g0:  # no TP all-reduce is needed because the two ranks' grads are bit-identical
