@@ -8,10 +8,28 @@ needs it.
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
+import warnings
 
 from launch.cli_help import show_defaults
 from megatron_grpo import __version__
+
+
+_FALLBACK_NOTES = ("Transformer Engine and Apex are not installed", "Apex is not installed")
+"""Starts of megatron-core's import-time UserWarnings that it runs its torch implementations
+(multi-tensor ops, optimizers, norms): every process of a run printed them, ~10 lines, and they
+say nothing the run's own log does not (the layer-spec backend it chose). Silenced in this
+process and, through PYTHONWARNINGS, in the ranks and servers it starts."""
+
+
+def _quiet_fallback_notes() -> None:
+    for note in _FALLBACK_NOTES:
+        warnings.filterwarnings("ignore", message=re.escape(note), category=UserWarning)
+    ours = ",".join(f"ignore:{note}:UserWarning" for note in _FALLBACK_NOTES)
+    if ours not in os.environ.get("PYTHONWARNINGS", ""):  # the user's own filters stay, ours take precedence
+        os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), ours]))
 
 
 def _die(message: str) -> None:
@@ -149,7 +167,13 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
         return 2
-    return int(args.func(args) or 0)
+    _quiet_fallback_notes()
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback per process (what runs stops in `finally`)
+        words = [a for a in (sys.argv[1:] if argv is None else argv) if not a.startswith("-")][:1]
+        print(f"\nmgrpo {' '.join(words)}: interrupted (Ctrl-C)".rstrip(), file=sys.stderr, flush=True)
+        return 130
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
-"""The help formatter every `mgrpo` parser uses (a leaf: argparse only, so any CLI module can import it)."""
+"""The help formatter every `mgrpo` parser uses, and descriptions from module docstrings (a leaf:
+the standard library only, so any CLI module can import it)."""
 from __future__ import annotations
 
 import argparse
+import re
 
-__all__ = ["DefaultsHelpFormatter", "show_defaults"]
+__all__ = ["DefaultsHelpFormatter", "doc_description", "show_defaults"]
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
@@ -16,6 +18,14 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
         if "default" not in text and not silent and action.option_strings:
             text += " (default: %(default)s)"
         return text
+
+
+def doc_description(doc: str, paragraphs: tuple[int, ...] = (0,)) -> str:
+    """A parser's description from a module docstring: the given paragraphs (default the first)
+    as one paragraph for the formatter to wrap, with reST's ``x`` and :role:`x` written `x`."""
+    blocks = doc.split("\n\n")
+    text = " ".join(" ".join(blocks[i] for i in paragraphs).split())
+    return re.sub(r"``(.+?)``", r"`\1`", re.sub(r":[\w:.]+:`", "`", text))
 
 
 def show_defaults(parser: argparse.ArgumentParser) -> None:

@@ -38,6 +38,7 @@ import json
 import sys
 from pathlib import Path
 
+from launch.cli_help import doc_description
 from launch.logits_check import check
 from model_bridge.convert import DTYPES, ConvertError, hf_to_mcore, mcore_to_hf
 
@@ -140,11 +141,13 @@ def add_convert_parser(sub) -> argparse.ArgumentParser:
     """Register ``convert`` (hf-to-mcore, mcore-to-hf, check) on an argparse subparsers object."""
     p = sub.add_parser("convert", help="convert between HF safetensors and Megatron dist checkpoints; "
                                        "check logits against transformers",
-                       description=__doc__.split("\n\n")[0])
+                       description=doc_description(__doc__))
     csub = p.add_subparsers(dest="convert_command", metavar="{hf-to-mcore,mcore-to-hf,check}")
     csub.required = True
 
-    s = csub.add_parser("hf-to-mcore", help="HF checkpoint -> Megatron dist checkpoint (torch_dist, any layout)")
+    s = csub.add_parser("hf-to-mcore", help="HF checkpoint -> Megatron dist checkpoint (torch_dist, any layout)",
+                        description="Convert an HF Qwen3-Omni checkpoint into a Megatron dist checkpoint "
+                                    "(torch_dist) that loads under any TP/EP/PP.")
     s.add_argument("--hf", required=True, help="HF Qwen3-Omni checkpoint directory")
     s.add_argument("--out", required=True, help="output directory (new or empty)")
     _layout_args(s)
@@ -156,7 +159,9 @@ def add_convert_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--stats-json", default=None, help="also write timings and sizes as JSON to this file")
     s.set_defaults(func=_cmd_hf_to_mcore)
 
-    s = csub.add_parser("mcore-to-hf", help="Megatron dist checkpoint -> HF checkpoint (transformers/vLLM)")
+    s = csub.add_parser("mcore-to-hf", help="Megatron dist checkpoint -> HF checkpoint (transformers/vLLM)",
+                        description="Convert a Megatron dist checkpoint, a training checkpoint or a run's newest "
+                                    "one into an HF checkpoint that loads in transformers and vLLM.")
     s.add_argument("--mcore", required=True,
                    help="Megatron dist checkpoint directory, or a training checkpoint (RUN/checkpoints/step_N), or a "
                         "run directory or its checkpoints/ (the newest complete checkpoint is exported)")
@@ -174,7 +179,9 @@ def add_convert_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--stats-json", default=None, help="also write timings and sizes as JSON to this file")
     s.set_defaults(func=_cmd_mcore_to_hf)
 
-    s = csub.add_parser("check", help="Megatron logits at a layout vs transformers on one chat sample")
+    s = csub.add_parser("check", help="Megatron logits at a layout vs transformers on one chat sample",
+                        description="Build the Megatron model from an HF checkpoint at a layout, run one chat "
+                                    "sample and compare its logits with transformers'.")
     s.add_argument("--hf", required=True, help="HF Qwen3-Omni checkpoint directory")
     _layout_args(s)
     s.add_argument("--sample", default=None,

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from launch.cli_help import DefaultsHelpFormatter
+from launch.cli_help import doc_description
 from megatron_grpo.rollout.server import LOOPBACK_HOSTS
 
 __all__ = ["add_serve_parser", "check_bind", "run_serve", "RemoteBindRefused"]
@@ -55,16 +55,11 @@ def check_bind(host: str, allow_remote: bool, api_key: str | None) -> None:
                                 "Without them, keep the default --host 127.0.0.1.")
 
 
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter, DefaultsHelpFormatter):
-    """The description as written, and the options' defaults (:class:`DefaultsHelpFormatter`)."""
-
-
 def add_serve_parser(sub) -> argparse.ArgumentParser:
     s = sub.add_parser(
         "serve", allow_abbrev=False,
         help="run a vLLM server (with our weight-sync extension) in the foreground",
-        description=__doc__.split("\n\n")[0] + " Unknown arguments are passed to vLLM.",
-        formatter_class=_HelpFormatter)
+        description=doc_description(__doc__) + " Unknown arguments are passed to vLLM.")
     s.add_argument("--model", required=True, help="HF checkpoint directory to serve")
     s.add_argument("--host", default="127.0.0.1",
                    help="bind address (default loopback; others need --allow-remote and an API key)")
@@ -91,7 +86,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="return the experts every token was routed to (R3, for rollout.routing_replay=r3): "
                         "vLLM's --enable-return-routed-experts, captured by our worker extension on CPU")
     s.add_argument("--log", default=None, help="server log file (default: a new file in the temp dir)")
-    s.add_argument("--startup-timeout", type=float, default=1800.0, help="seconds to wait for /health")
+    s.add_argument("--startup-timeout", type=float, default=None,
+                   help="seconds to wait for /health (default: the config's serve.startup_timeout_s)")
     s.add_argument("--url-file", default=None,
                    help="once healthy, write the server's URL into this file (atomically: tmp + rename); "
                         "removed again on exit")
@@ -139,6 +135,16 @@ def check_serving_layout(model_dir: str, tp: int, dp: int, tp_option: str = "--t
                          f"of {tp_option}{', '.join(map(str, ok))}")
 
 
+def _startup_timeout(seconds: float | None) -> float:
+    """--startup-timeout, or the config's serve.startup_timeout_s (read here: the config loads torch,
+    which `mgrpo --help` should not)."""
+    if seconds is not None:
+        return seconds
+    from megatron_grpo.config import ServeConfig
+
+    return ServeConfig.startup_timeout_s
+
+
 def run_serve(args: argparse.Namespace) -> int:
     extra = [a for a in (getattr(args, "extra_args", None) or []) if a != "--"]
     api_key = args.api_key or os.environ.get("VLLM_API_KEY") or None
@@ -174,7 +180,7 @@ def run_serve(args: argparse.Namespace) -> int:
     prev = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         print(f"[serve] starting vLLM for {args.model} on {server.url} (log {log})", flush=True)
-        server.start(timeout=args.startup_timeout)
+        server.start(timeout=_startup_timeout(args.startup_timeout))
         print(f"[serve] {server.url}  model={spec.served_model_name}  "
               f"weight_transfer={spec.weight_transfer_backend or 'off'}  "
               f"auth={'api key' if api_key else 'none (loopback only)'}", flush=True)

@@ -245,13 +245,15 @@ _RANK_STOP_GRACE_S = 30.0
 
 def _spawn_train_ranks(args: argparse.Namespace, nproc: int) -> int:
     """Run `mgrpo train` as ``nproc`` ranks on this machine; the first non-zero exit code (a failing
-    rank takes the others down), 130 on Ctrl-C, else 0."""
+    rank takes the others down), else 0 (Ctrl-C: the ranks are stopped and KeyboardInterrupt raised)."""
     return spawn_ranks(_train_rank, args, nproc)
 
 
 def spawn_ranks(rank_fn, args: argparse.Namespace, nproc: int) -> int:
     """Run ``rank_fn(args)`` as ``nproc`` ranks on this machine (they skip the pre-flight checks
-    already done here); the first non-zero exit code, 130 on Ctrl-C, else 0."""
+    already done here); the first non-zero exit code, else 0. On Ctrl-C the ranks get SIGTERM (a
+    training rank checkpoints after its current step, ``engine/signals.py``) and KeyboardInterrupt
+    goes on to the CLI."""
     from model_bridge.spawn import run_ranks
 
     rank_args = argparse.Namespace(**{**vars(args), "overrides": [*args.overrides, f"parallel.nproc={nproc}"]})
@@ -262,8 +264,6 @@ def spawn_ranks(rank_fn, args: argparse.Namespace, nproc: int) -> int:
                   env={PREFLIGHT_DONE: "1", "OMP_NUM_THREADS": threads})
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 1
-    except KeyboardInterrupt:
-        return 130
     return 0
 
 

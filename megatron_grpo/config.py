@@ -175,9 +175,9 @@ class TrainerSection:
     """A clip several samples of a rank's step use (a GRPO group's recording) goes through the audio
     tower once per step: a first pass, then one backward of all its uses, through the first pass's
     kept graph or a recomputation (``shared_clips_keep``; ``model_bridge/modeling/shared_audio.py``;
-    the same gradients up to summation order), and the
-    packer keeps a group's samples on few data-parallel ranks while each rank stays within the mean
-    token count (``packing.balance_samples``). false: once per sample, forward and backward, and
+    the same gradients up to summation order), and the packer (``megatron_grpo/packing.py``,
+    ``balance_samples``) keeps a group's samples on few data-parallel ranks while each rank stays
+    within the mean token count. false: once per sample, forward and backward, and
     plain longest-first balancing."""
     shared_clips_keep: float = 0.5
     """With ``shared_clips``, > 0: every clip of a rank's step (the crops too) goes through the audio

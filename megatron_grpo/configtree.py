@@ -225,7 +225,7 @@ def render_markdown(cls, title: str) -> str:
                         f"{docs.get(f.name, '').replace('|', '/')} |")
         if rows:
             out.extend([f"## `{prefix.rstrip('.') or 'top level'}` ({klass.__name__})", "",
-                        (inspect.getdoc(klass) or "").split("\n")[0], "",
+                        " ".join((inspect.getdoc(klass) or "").split("\n\n")[0].split()), "",
                         "| key | default | meaning |", "| --- | --- | --- |", *rows, ""])
         for sub in subs:
             section(*sub)

@@ -111,8 +111,8 @@ RUN_DIR_OUTPUTS = (("metrics.jsonl", "metrics.jsonl"), ("curves.png", "curves.pn
 
 def run_summary(run_dir: str | Path) -> list[str]:
     """The lines `mgrpo train` prints when a run ends: the reward from the first to the last
-    logged step, the mean step time and its parts, and where the outputs are. Empty when the run
-    logged no step."""
+    logged step, the turns per conversation (and the `tool_call` reward) likewise, the mean step
+    time and its parts, and where the outputs are. Empty when the run logged no step."""
     run = Path(run_dir)
     path = run / "metrics.jsonl"
     rows = read_metrics(path) if path.exists() else []
@@ -121,6 +121,11 @@ def run_summary(run_dir: str | Path) -> list[str]:
     first, last = rows[0], rows[-1]
     lines = [f"reward: step {first['step']} {first.get('reward/mean', float('nan')):.3f} -> "
              f"step {last['step']} {last.get('reward/mean', float('nan')):.3f}"]
+    if "turns/mean" in first and "turns/mean" in last:  # the agent's tool use (a rollout, not a replay)
+        tools = (f"; reward/tool_call {first['reward/tool_call']:.2f} -> {last['reward/tool_call']:.2f}"
+                 if "reward/tool_call" in first and "reward/tool_call" in last else "")
+        lines.append(f"turns per conversation (a turn past the first follows a tool call): step {first['step']} "
+                     f"{first['turns/mean']:.2f} -> step {last['step']} {last['turns/mean']:.2f}{tools}")
 
     def mean(key: str) -> float:
         vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]

@@ -384,8 +384,9 @@ def _log_step(run: Run, step: int, trajs, train_metrics: dict, push_s: float, ti
     run.logger.log(step, m)
     no_signal = _warn_no_signal(step, m, no_signal, say=run.bar.write if run.bar else None)
     if run.bar:
-        run.bar.set_postfix(reward=f"{m['reward/mean']:.3f}",  # rollout_kl: vLLM vs trainer
-                            rollout_kl=f"{m.get('mismatch_kl_k3', 0.0):.1e}",
+        run.bar.set_postfix(reward=f"{m['reward/mean']:.3f}",  # turns > 1: the agent called a tool
+                            turns=f"{m['turns/mean']:.2f}",
+                            rollout_kl=f"{m.get('mismatch_kl_k3', 0.0):.1e}",  # vLLM vs trainer
                             tok_s=f"{m['tokens_per_s']:.0f}", step_s=f"{m['time/step']:.1f}")
         run.bar.update(1)
     return no_signal

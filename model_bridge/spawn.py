@@ -388,6 +388,12 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         for proc in procs:  # let finished ranks exit on their own (atexit handlers, flushes)
             proc.join(max(0.0, min(10.0, deadline - time.monotonic())))
         return [results[r] for r in range(world_size)]
+    except KeyboardInterrupt:  # the ranks run in process groups of their own: Ctrl-C reached only us
+        live = sum(p.is_alive() for p in procs)
+        if live:
+            print(f"\n[spawn] interrupted: stopping {live} rank(s) (SIGTERM, then SIGKILL after {stop_grace_s:g} s)",
+                  file=sys.stderr, flush=True)
+        raise
     finally:
         _stop(procs, stop_grace_s)
         for reader in readers:

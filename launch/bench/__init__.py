@@ -25,6 +25,8 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from launch.cli_help import doc_description
+
 __all__ = ["add_bench_parser", "KINDS"]
 
 KINDS = {"audio_front": "launch.bench.audio_front", "checkpoint": "launch.bench.checkpoint", "convert": "launch.bench.convert", "layers": "launch.bench.layers", "packing": "launch.bench.packing",
@@ -36,7 +38,7 @@ KINDS = {"audio_front": "launch.bench.audio_front", "checkpoint": "launch.bench.
 def add_bench_parser(sub) -> argparse.ArgumentParser:
     """Register ``bench`` and its kinds on an argparse subparsers object."""
     p = sub.add_parser("bench", help="run a benchmark; results (JSON, PNG) go under --out",
-                       description=__doc__.split("\n\n")[0])
+                       description=doc_description(__doc__))
     bsub = p.add_subparsers(dest="bench_kind", metavar="{" + ",".join(KINDS) + "}")
     bsub.required = True
     for module in KINDS.values():

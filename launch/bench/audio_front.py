@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from launch.cli_help import doc_description
+
 __all__ = ["run_bench", "add_parser", "main"]
 
 
@@ -115,7 +117,7 @@ def _positive(text: str) -> int:
 
 def add_parser(bsub) -> argparse.ArgumentParser:
     s = bsub.add_parser("audio_front", help="the audio tower's conv front-end, fused Triton passes vs unfused",
-                        description=__doc__.split("\n\n")[0])
+                        description=doc_description(__doc__))
     s.add_argument("--chunks", type=_positive, default=3850, help="100-frame chunks per step (default 3850: "
                                                                  "bench train's distinct audio at 64 samples)")
     s.add_argument("--part", type=_positive, default=500, help="chunks per call (the tower's conv_chunksize, 500)")

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from launch.bench._cli import bench_main
+from launch.cli_help import doc_description
 
 __all__ = ["run_bench", "add_parser", "parse_layout"]
 
@@ -149,7 +150,7 @@ def _cmd(args: argparse.Namespace) -> int:
 
 def add_parser(bsub) -> argparse.ArgumentParser:
     s = bsub.add_parser("checkpoint", help="training checkpoint save/load time and peak host memory (CPU ranks)",
-                        description=__doc__.split("\n\n")[0])
+                        description=doc_description(__doc__))
     s.add_argument("--out", default="bench_results/checkpoint", help="results directory (JSON)")
     s.add_argument("--hf-dir", default=None, help="HF checkpoint to build from (default: generate a full-width one)")
     s.add_argument("--layers", type=int, default=4, help="decoder layers of the generated checkpoint (4: ~3.1B)")

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 from launch.bench._cli import bench_main, pyplot
+from launch.cli_help import doc_description
 
 __all__ = ["bench_config", "hf_tensor_specs", "write_checkpoint", "RssSampler", "run_bench", "add_parser"]
 
@@ -435,7 +436,7 @@ def _cmd(args: argparse.Namespace) -> int:
 
 def add_parser(bsub) -> argparse.ArgumentParser:
     s = bsub.add_parser("convert", help="HF <-> Megatron dist checkpoint conversion: throughput and peak RSS",
-                        description=__doc__.split("\n\n")[0])
+                        description=doc_description(__doc__))
     s.add_argument("--out", default="bench_results/convert", help="results directory (JSON, PNG, logs)")
     s.add_argument("--layers", type=int, default=4, help="decoder layers (each ~1.25 GB bf16; default 4 -> ~6.6 GB)")
     s.add_argument("--audio-layers", type=int, default=8, help="audio encoder layers (full width; default 8)")

@@ -129,6 +129,7 @@ from launch.bench._layers_hf import build_hf, hf_state_as_checkpoint, run_hf  # 
 from launch.bench._layers_ours import build_megatron, probe_losses, run_ours  # noqa: F401
 from launch.bench._layers_ranks import _rank_main
 from launch.bench._layers_report import _merge_ep, _plot, _print_table, _ratios  # noqa: F401
+from launch.cli_help import doc_description
 
 __all__ = ["DEFAULT_LENGTHS", "lengths_for", "rank_lengths", "geometry", "useful_flops", "probe_losses", "run_bench",
            "add_parser"]
@@ -216,7 +217,7 @@ def _cmd(args: argparse.Namespace) -> int:
 
 def add_parser(bsub) -> argparse.ArgumentParser:
     s = bsub.add_parser("layers", help="N full-width thinker layers fwd+bwd: ours vs HF vs megatron local, "
-                                       "with the kernel ceiling", description=__doc__.split("\n\n")[0])
+                                       "with the kernel ceiling", description=doc_description(__doc__))
     s.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
     s.add_argument("--tokens", type=int, default=None,
                    help="total tokens of the batch (default: the documented 16-sample batch, 22,800 tokens)")

@@ -50,6 +50,7 @@ from pathlib import Path
 
 from launch.bench._cli import bench_main, pyplot
 from launch.bench.layers import DEFAULT_LENGTHS
+from launch.cli_help import doc_description
 
 __all__ = ["sample_steps", "plan_ours", "plan_padded", "imbalance", "evaluate", "run_bench", "add_parser"]
 
@@ -265,7 +266,7 @@ def _cmd(args: argparse.Namespace) -> int:
 
 def add_parser(bsub) -> argparse.ArgumentParser:
     s = bsub.add_parser("packing", help="padding fraction and DP balance: our packer vs padded batches (CPU)",
-                        description=__doc__.split("\n\n")[0])
+                        description=doc_description(__doc__))
     s.add_argument("--out", default="bench_results/packing", help="results directory (JSON, PNG)")
     s.add_argument("--samples", type=int, default=DEFAULT_SAMPLES,
                    help=f"trajectories per step (default {DEFAULT_SAMPLES}: 32 prompts x 8 generations)")

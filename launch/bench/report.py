@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from launch.bench._cli import bench_main
+from launch.cli_help import doc_description
 
 WORDS = ("the dog barks near the door then a car passes and someone speaks about the weather while "
          "music plays softly in the background at around one minute").split()
@@ -142,7 +143,7 @@ def _cmd(args) -> int:
 
 def add_parser(bsub) -> argparse.ArgumentParser:
     s = bsub.add_parser("report", help="time `mgrpo report` on one large recorded step (CPU)",
-                        description=__doc__.split("\n\n")[0])
+                        description=doc_description(__doc__))
     s.add_argument("--out", default="bench_results/report", help="results directory (replaced)")
     s.add_argument("--samples", type=int, default=512, help="trajectories in the step (default 512)")
     s.add_argument("--group-size", type=int, default=8, help="samples per prompt (default 8)")

@@ -21,6 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from launch.cli_help import doc_description
 from model_bridge.spawn import environ_set
 
 
@@ -93,7 +94,7 @@ def _cmd(args) -> int:
 
 def add_parser(bsub) -> argparse.ArgumentParser:
     s = bsub.add_parser("routes", help="R3 route capture: vLLM time per generated token with vs without it",
-                        description=__doc__.split("\n\n")[0])
+                        description=doc_description(__doc__))
     s.add_argument("--model", required=True, help="HF checkpoint directory (an MoE model)")
     s.add_argument("--requests", type=int, default=8, help="timed requests per server")
     s.add_argument("--prompt", type=int, default=256, help="prompt tokens per request")

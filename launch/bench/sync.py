@@ -67,6 +67,7 @@ from launch.bench._sync_common import (_DIGEST_CHUNK, GB, TARGET_GB, TARGET_SECO
 from launch.bench._sync_receiver import _receiver
 from launch.bench._sync_report import _plot, _print_summary
 from launch.bench._sync_trainer import _trainer
+from launch.cli_help import doc_description
 
 __all__ = ["sync_config", "tensor_digest", "run_bench", "add_parser", "TARGET_SECONDS", "TARGET_VS_RAW"]
 
@@ -148,7 +149,7 @@ def _cmd(args: argparse.Namespace) -> int:
 def add_parser(bsub) -> argparse.ArgumentParser:
     s = bsub.add_parser("sync", help="weight sync (export_hf -> buckets -> broadcast -> unpack) of the 30B "
                                      "thinker between two GPUs, against raw NCCL bandwidth",
-                        description=__doc__.split("\n\n")[0])
+                        description=doc_description(__doc__))
     s.add_argument("--layers", type=int, default=48, help="decoder layers (default 48, the release's)")
     s.add_argument("--audio-layers", type=int, default=32,
                    help="audio-tower layers (default 32, the release's; 0: no audio tower)")

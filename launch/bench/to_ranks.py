@@ -34,6 +34,7 @@ import sys
 from pathlib import Path
 
 from launch.bench._cli import bench_main
+from launch.cli_help import doc_description
 
 SR = 16000
 TOKENS_PER_S = 13.0  # 13 audio tokens per 100 mel frames (1 s)
@@ -200,7 +201,7 @@ def _cmd(args: argparse.Namespace) -> int:
 
 def add_parser(bsub) -> argparse.ArgumentParser:
     s = bsub.add_parser("to_ranks", help="bytes and host memory per rank: broadcast vs own micro-batches (CPU)",
-                        description=__doc__.split("\n\n")[0])
+                        description=doc_description(__doc__))
     s.add_argument("--out", default="bench_results/to_ranks", help="results directory (JSON)")
     s.add_argument("--prompts", type=int, default=4, help="prompts of the measured step (default 4)")
     s.add_argument("--generations", type=int, default=8, help="generations per prompt (default 8)")

@@ -48,6 +48,7 @@ import time
 from pathlib import Path
 
 from launch.bench._cli import bench_main, pyplot
+from launch.cli_help import doc_description
 
 __all__ = ["run_bench", "add_parser", "TARGET_VS_STACK_LM", "TARGET_HOST_SHARE"]
 
@@ -343,7 +344,7 @@ def _budget(text: str) -> int | str:
 def add_parser(bsub) -> argparse.ArgumentParser:
     s = bsub.add_parser("train", help="the training phase of mgrpo train (features, packing, train_step) vs the "
                                       "layer stack (+ LM head), where its time goes",
-                        description=__doc__.split("\n\n")[0])
+                        description=doc_description(__doc__))
     s.add_argument("--layers", type=int, default=4, help="full-width decoder layers (default 4)")
     s.add_argument("--audio-layers", type=int, default=4, help="full-width audio-tower layers (default 4)")
     s.add_argument("--samples", type=int, default=16, help="trajectories per step (default 16)")

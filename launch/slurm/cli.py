@@ -13,6 +13,8 @@ import argparse
 import shlex
 import sys
 
+from launch.cli_help import doc_description
+
 __all__ = ["add_launch_parser", "run_launch_slurm"]
 
 
@@ -24,8 +26,7 @@ def add_launch_parser(sub) -> argparse.ArgumentParser:
     lsub.required = True
     s = lsub.add_parser("slurm", help="render the rollout and trainer sbatch scripts, write them next to "
                                       "the run, submit them (docs/slurm.md)",
-                        description=__doc__.split("\n\n")[0] + " " + __doc__.split("\n\n")[2],
-                        formatter_class=argparse.RawDescriptionHelpFormatter)
+                        description=doc_description(__doc__, paragraphs=(0, 2)))
     src = s.add_mutually_exclusive_group()
     src.add_argument("--config", help="YAML config of the run (docs/configuration.md)")
     src.add_argument("--recipe", help="a recipe from launch/recipes instead of --config, e.g. tiny_cpu, "

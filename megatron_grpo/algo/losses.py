@@ -74,7 +74,8 @@ class LossConfig:
     """The policy loss of one run (formulas in the module doc)."""
 
     variant: Literal["grpo", "dapo", "dr_grpo"] = "grpo"
-    """Aggregation (and, through :attr:`scale_advantages_by_std`, advantage) rule."""
+    """Aggregation (and, through :attr:`scale_advantages_by_std`, advantage) rule: "grpo", "dapo" or "dr_grpo"
+    (formulas in the module doc)."""
     eps_low: float = 0.2
     """Lower clip: ratios below 1 - eps_low stop pushing a negative advantage further."""
     eps_high: Optional[float] = None

@@ -140,7 +140,8 @@ class RolloutConfig:
     """Longest clip `crop_audio` returns; a longer request is cut to this length from its start
     (the tool response says so).  None: no limit beyond the recording."""
     reward_funcs: list = field(default_factory=lambda: ["format", "iou"])
-    """Reward functions by registered name (built-ins: "answer_chars", "format", "iou", "iou_raw", "think_length")."""
+    """Reward functions by registered name (built-ins: "answer_chars", "format", "iou", "iou_raw", "think_length",
+    "tool_call")."""
     reward_weights: Optional[list] = None
     """Weight of each reward function (default 1.0 each); the sample's reward is the weighted sum."""
 

@@ -133,10 +133,13 @@ def is_cold_start_dir(path: Path) -> bool:
 def ensure_cold_start(cfg: TrainConfig, cache: Path) -> Path:
     """The tiny model after `sft.steps` steps of `mgrpo sft` on the embedded expert trajectories
     (one rank, TP1): ``cache/tiny-omni-sft-KEY/hf``, built on first use (about 200 s on 2 cores)
-    and reused while `cold_start_key` is unchanged; older builds are removed."""
+    and reused while `cold_start_key` is unchanged; older builds and an interrupted build's folder
+    are removed. The caller holds the build lock (:func:`_build_lock`)."""
     out = cold_start_dir(cfg, cache)
     if (out / "hf" / "model.safetensors.index.json").exists():
         return out / "hf"
+    for stale in cache.glob(".tiny-omni-sft-*"):  # an interrupted build's (the caller holds the build lock)
+        shutil.rmtree(stale, ignore_errors=True)
     print(f"[train] building the embedded cold start (mgrpo sft, {cfg.sft.steps} steps) in {out}", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tiny-omni-sft-", dir=cache))
     cmd = [sys.executable, "-m", "launch.cli", "sft", "--nproc", "1", "parallel.tp=1", "parallel.ep=1",
@@ -157,7 +160,8 @@ def ensure_cold_start(cfg: TrainConfig, cache: Path) -> Path:
         tmp.rename(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"[train] the embedded cold start is {out / 'hf'} (moved there from {tmp})", flush=True)
+    print(f"[train] the embedded cold start is ready: {out / 'hf'} (the `mgrpo sft` lines above name the folder "
+          f"it was built in, {tmp.name}, now renamed to {out.name})", flush=True)
     return out / "hf"
 
 

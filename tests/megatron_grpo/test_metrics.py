@@ -14,13 +14,17 @@ def _write(run, rows):
 def test_run_summary_reward_step_times_and_outputs(tmp_path):
     run = tmp_path / "run"
     _write(run, [
-        {"step": 1, "reward/mean": 0.25, "time/step": 10.0, "time/rollout": 6.0, "time/train": 3.5, "time/push": 0.5},
-        {"step": 2, "reward/mean": 0.5, "time/step": 12.0, "time/rollout": 8.0, "time/train": 3.5, "time/push": 0.25},
+        {"step": 1, "reward/mean": 0.25, "turns/mean": 1.5, "reward/tool_call": 0.34,
+         "time/step": 10.0, "time/rollout": 6.0, "time/train": 3.5, "time/push": 0.5},
+        {"step": 2, "reward/mean": 0.5, "turns/mean": 2.125, "reward/tool_call": 0.59,
+         "time/step": 12.0, "time/rollout": 8.0, "time/train": 3.5, "time/push": 0.25},
     ])
     (run / "curves.png").write_bytes(b"")
     (run / "checkpoints").mkdir()
     assert run_summary(run) == [
         "reward: step 1 0.250 -> step 2 0.500",
+        "turns per conversation (a turn past the first follows a tool call): step 1 1.50 -> step 2 2.12; "
+        "reward/tool_call 0.34 -> 0.59",
         "mean step 11.0 s = rollout 7.0 + train 3.5 + push 0.38",
         f"run dir: {run}/ (metrics.jsonl, curves.png, checkpoints/)",
     ]

@@ -232,6 +232,19 @@ def test_kl_estimators_by_hand():
         kl_estimate(logp, ref, "k4")
 
 
+def test_k3_near_the_reference_keeps_its_sign_and_value():
+    """|log r| ~ 1e-4 (a rollout engine against the trainer): fp32's exp(x) - 1 - x would make ~1
+    token in 10 negative and the mean of the wrong sign; the estimate stays >= 0 and on float64's."""
+    g = torch.Generator().manual_seed(0)
+    logp = torch.randn(100_000, generator=g) * 1e-4
+    ref = torch.zeros_like(logp)
+    k3 = kl_estimate(logp, ref, "k3")
+    exact = torch.exp(-logp.double()) + logp.double() - 1.0
+    assert k3.dtype == torch.float32 and (k3 >= 0).all()
+    assert k3.double().mean().item() == pytest.approx(exact.mean().item(), rel=1e-5)
+    assert (k3.double() - exact).abs().max().item() < 1e-10
+
+
 def test_is_weights_scale_the_policy_gradient_only():
     cfg = LossConfig(variant="dapo", kl_coef=0.1)
     logp = torch.tensor([-1.0, -2.0], requires_grad=True)

@@ -1,0 +1,36 @@
+"""`mgrpo`'s entry point: Ctrl-C and megatron-core's import-time fallback notes."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import launch.cli as cli
+
+
+def test_ctrl_c_is_one_line_and_exit_status_130(monkeypatch, tmp_path, capsys):
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_cmd_make_tiny", interrupted)
+    monkeypatch.setenv("PYTHONWARNINGS", "")
+    assert cli.main(["make-tiny", "--out", str(tmp_path / "t")]) == 130
+    err = capsys.readouterr().err
+    assert err == "\nmgrpo make-tiny: interrupted (Ctrl-C)\n"
+
+
+def test_fallback_notes_are_silenced_here_and_in_child_processes(monkeypatch):
+    monkeypatch.setenv("PYTHONWARNINGS", "default::DeprecationWarning")
+    cli._quiet_fallback_notes()
+    cli._quiet_fallback_notes()  # idempotent: the filters are not appended twice
+    env = os.environ["PYTHONWARNINGS"]
+    assert env == ("default::DeprecationWarning,ignore:Transformer Engine and Apex are not installed:UserWarning,"
+                   "ignore:Apex is not installed:UserWarning")
+    code = ("import warnings\n"
+            "warnings.warn('Transformer Engine and Apex are not installed. Falling back to Torch optimizers.')\n"
+            "warnings.warn('Apex is not installed. Falling back to Torch Norm')\n"
+            "warnings.warn('another UserWarning')\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=dict(os.environ), timeout=60)
+    assert p.returncode == 0
+    assert "another UserWarning" in p.stderr
+    assert "not installed" not in p.stderr
