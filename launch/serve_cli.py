@@ -79,6 +79,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=int, default=32,
                    help="concurrent sequences (as `mgrpo train`'s serve.max_num_seqs)")
     s.add_argument("--max-audio-per-prompt", type=int, default=4, help="audio clips per request")
+    s.add_argument("--max-audio-seconds", type=float, default=600.0,
+                   help="longest clip the server accepts and decodes, seconds (vLLM's clip-size and decode "
+                        "limits follow it): at least the data's longest recording (`mgrpo launch slurm` passes "
+                        "data.max_audio_seconds)")
     s.add_argument("--weight-transfer", choices=["auto", "gloo", "nccl", "nccl_m2n", "none"], default="auto",
                    help="weight-sync backend (auto: gloo without CUDA, nccl with it; nccl_m2n: vLLM's "
                         "many-to-many engine for the multi-source push, needs nccl-extensions)")
@@ -165,7 +169,7 @@ def run_serve(args: argparse.Namespace) -> int:
     spec = ServerSpec(model=args.model, host=args.host, port=args.port,
                       served_model_name=args.served_model_name, dtype=resolve_dtype(args.dtype),
                       max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                      max_audio_per_prompt=args.max_audio_per_prompt,
+                      max_audio_per_prompt=args.max_audio_per_prompt, max_audio_seconds=args.max_audio_seconds,
                       tensor_parallel_size=args.tp, data_parallel_size=args.dp, api_key=api_key,
                       weight_transfer_backend=(None if args.weight_transfer == "none"
                                                else args.weight_transfer),

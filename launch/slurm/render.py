@@ -296,6 +296,8 @@ def _serve_args(cfg, plan: SlurmPlan) -> list[str]:
             "--tp", str(plan.serve_tp), "--dp", str(plan.serve_dp), "--served-model-name", "policy",
             "--dtype", _serve_dtype(cfg, plan), "--max-model-len", str(_serve_max_model_len(cfg)),
             "--max-num-seqs", str(s.max_num_seqs), "--max-audio-per-prompt", str(s.max_audio_per_prompt),
+            # every recording the data accepts must decode on the rollout nodes (sized there from no data)
+            "--max-audio-seconds", f"{s.max_audio_seconds or cfg.data.max_audio_seconds:g}",
             "--startup-timeout", f"{s.startup_timeout_s:g}", *map(str, s.extra_args), *map(str, cfg.launch.serve_args)]
 
 

@@ -389,6 +389,10 @@ class RolloutClient:
                     hint = (" — a conversation carries the prompt's clips plus one per tool clip: start "
                             "the server with a higher `mgrpo serve --max-audio-per-prompt` (vLLM's "
                             "--limit-mm-per-prompt) or lower rollout.max_tool_calls")
+                elif "audio_filesize_mb" in msg or "audio" in msg.lower() and "duration" in msg.lower():
+                    hint = (" — a clip is longer than the server's audio limits: start it with `mgrpo serve "
+                            "--max-audio-seconds N`, N at least the data's longest recording in seconds "
+                            "(`mgrpo launch slurm` passes data.max_audio_seconds)")
                 raise RolloutRequestError(f"rollout server {server.url} refused the request "
                                           f"({r.status}): {msg}{hint}", url=server.url, status=r.status)
         try:

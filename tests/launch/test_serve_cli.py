@@ -90,6 +90,12 @@ def test_auto_dtype_is_the_trainers(monkeypatch):
     assert resolve_dtype("auto") == "bfloat16"
 
 
+def test_max_audio_seconds_option():
+    parser = build_parser()
+    assert parser.parse_known_args(["serve", "--model", "m"])[0].max_audio_seconds == 600.0  # vLLM's own limit
+    assert parser.parse_known_args(["serve", "--model", "m", "--max-audio-seconds", "1200"])[0].max_audio_seconds == 1200.0
+
+
 def test_unknown_arguments_go_to_vllm():
     parser = build_parser()
     args, extra = parser.parse_known_args(["serve", "--model", "m", "--tp", "2", "--enable-prefix-caching",

@@ -89,6 +89,14 @@ def test_30b_torchrun_and_gpu_binding(rendered):
     assert "srun --ntasks-per-node=1 --gpus-per-node=8" in r
     assert re.search(r"--tp 4 \\\n\s+--dp 2", r) and "--model /data/models/Qwen3-Omni-30B-A3B-Instruct" in r
     assert "--max-model-len 32768" in r and "--dtype bfloat16" in r
+    assert "--max-audio-seconds 600 " in r  # the recipe's data.max_audio_seconds: every accepted row decodes
+
+
+def test_rollout_nodes_decode_the_datas_longest_recording(tmp_path, capsys):
+    files = _render_30b(capsys, tmp_path / "slurm", "data.max_audio_seconds=2400")
+    assert "--max-audio-seconds 2400 " in files["rollout.sbatch"]
+    files = _render_30b(capsys, tmp_path / "slurm2", "data.max_audio_seconds=2400", "serve.max_audio_seconds=3000")
+    assert "--max-audio-seconds 3000 " in files["rollout.sbatch"]
 
 
 def test_master_addr_is_the_first_host_of_the_nodelist(rendered, tmp_path):

@@ -69,6 +69,9 @@ class FakeServer:
                 return web.json_response({"error": {"message": "Scale-out endpoints are disabled. Restart "
                                                                "vllm serve with --enable-scale-out"}},
                                          status=403)
+            if what == "audio_size":  # vLLM 0.32's answer to a clip over VLLM_MAX_AUDIO_CLIP_FILESIZE_MB
+                return web.json_response({"error": {"message": "Maximum file size exceeded (parameter=audio_filesize_mb, "
+                                                               "value=73.24224472045898)", "code": 400}}, status=400)
             status = int(what)
             return web.json_response({"error": {"message": f"fake error {status}", "code": status}},
                                      status=status)
@@ -197,6 +200,12 @@ def test_timeout():
 def test_client_errors_not_retried():
     fake = FakeServer(lambda n, d: "400")
     with pytest.raises(RolloutRequestError, match="refused the request \\(400\\): fake error 400"):
+        asyncio.run(_with_servers([fake], _gen, max_retries=3))
+    assert fake.hits == 1
+    fake = FakeServer(lambda n, d: "audio_size")
+    with pytest.raises(RolloutRequestError, match=r"refused the request \(400\): Maximum file size exceeded .* — a clip "
+                                                  r"is longer than the server's audio limits: start it with `mgrpo serve "
+                                                  r"--max-audio-seconds N`"):
         asyncio.run(_with_servers([fake], _gen, max_retries=3))
     assert fake.hits == 1
     fake = FakeServer(lambda n, d: "scaleout")
