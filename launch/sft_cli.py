@@ -104,7 +104,9 @@ def _finish(cfg) -> None:
                      f"{rows[-1]['loss']:.4f}")
     if cfg.sft.export:
         out = export_hf_dir(cfg)
-        lines.append(f"model: {out} (HF format): continue with `mgrpo train model.hf_dir={out}`")
+        lines.append(f"model: {out} (HF format): continue with `mgrpo train model.hf_dir={out} "
+                     "data.train_jsonl=PROMPTS.jsonl` (your GRPO prompts, docs/data.md; without "
+                     "data.train_jsonl it trains on the embedded synthetic data)")
     lines.append(f"run dir: {run_dir}/ (metrics.jsonl, curves.png, checkpoints/)")
     print("\n".join(lines), flush=True)
 

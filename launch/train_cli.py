@@ -78,6 +78,7 @@ def _check_model_fits(cfg, world_size: int) -> list[str]:
     from megatron_grpo.data.reader import read_jsonl
 
     rows = None
+    embedded_data = cfg.data.train_jsonl is None
     if cfg.rollout.server != "replay":  # the user's data and servers, checked before a cold start is built
         if cfg.rollout.server == "remote":
             _check_servers_answer(cfg.rollout.server_urls, cfg.rollout.connect_timeout_s)
@@ -91,6 +92,10 @@ def _check_model_fits(cfg, world_size: int) -> list[str]:
     else:
         if rows is None:  # the embedded data
             rows = read_jsonl(cfg.data.train_jsonl, cfg.data, log_skips=False)
+        # which prompts the run trains on: unset data.train_jsonl quietly means the embedded task's
+        print(f"[train] data: {cfg.data.train_jsonl} ({len(rows)} rows"
+              + ("; the embedded synthetic audio-agent data, as data.train_jsonl is unset)" if embedded_data else ")"),
+              flush=True)
         if cfg.rollout.server == "local":  # RowsDoNotFit: one line per row that cannot fit
             return _size_local_server(cfg, rows)
     return []

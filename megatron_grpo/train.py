@@ -236,8 +236,9 @@ def build_run(cfg: TrainConfig, resume: bool = False) -> Run:
                               recompute=cfg.model.recompute)
         data = None  # rollout.server replay trains on the recording: the prompts are not read
         if cfg.rollout.server != "replay":
-            data = DataIterator.from_config(read_jsonl(cfg.data.train_jsonl, cfg.data), cfg.data,
-                                            cfg.trainer.prompts_per_step)
+            # every rank reads the rows (the data order is computed everywhere); rank 0 logs the skipped ones
+            data = DataIterator.from_config(read_jsonl(cfg.data.train_jsonl, cfg.data, log_skips=rank == 0),
+                                            cfg.data, cfg.trainer.prompts_per_step)
         featurize = trainer_featurizer(AutoFeatureExtractor.from_pretrained(cfg.model.hf_dir),
                                        cfg.trainer.device_features)
         tp_sp = p.tp if p.tp > 1 else 1

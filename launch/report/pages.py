@@ -1,5 +1,6 @@
 """The report's HTML: ``index.html`` (curves of reward, KL and step time from metrics.jsonl, a row and
-a link per step) and ``step_{k:06d}.html`` (the step's metrics, then per group its prompt and per
+a link per step) and ``step_{k:06d}.html`` (the step's metrics, then per group its prompt and its
+row's short columns such as ``ground_truth``, and per
 sample the reward terms, advantage, finish reason and turns). One inline stylesheet, no script, no
 external asset: the pages work from a file:// URL. Exact values sit in ``data-v`` attributes beside
 the rounded text, so a reader (or a test) can compare them with metrics.jsonl and the recording.
@@ -168,6 +169,17 @@ def sample_html(i: int, t: dict, trainer_lp, detok, audio_token_id: int, clips: 
             f'{stats}</div><table class="terms">{terms}</table><div class="conv">{conv}</div></div>')
 
 
+_MAX_COLUMN_CHARS = 80
+"""A dataset column longer than this (or not a scalar) stays off the group's heading."""
+
+
+def _columns_html(columns: dict) -> str:
+    """The prompt row's short scalar columns (``ground_truth``, ``id``, ...): what the rewards compare against."""
+    return "".join(f' · <span class="col" data-col="{escape(str(k))}">{escape(str(k))} <b>{escape(str(v))}</b></span>'
+                   for k, v in columns.items()
+                   if isinstance(v, (str, int, float, bool)) and len(str(v)) <= _MAX_COLUMN_CHARS)
+
+
 def step_html(step: int, payload: dict, metrics_row: dict, detok, audio_token_id: int, clips: list,
               nav: str, source: str) -> str:
     trajs, lps, index = payload["trajectories"], payload["trainer_logprobs"], payload["sample_index"]
@@ -192,7 +204,8 @@ def step_html(step: int, payload: dict, metrics_row: dict, detok, audio_token_id
         samples = "".join(sample_html(index[k], trajs[k], lps[k], detok, audio_token_id, clips, start)
                           for k in members)
         sections.append(f'<section class="g" id="g{gid}"><h2>group {gid} · prompt {first["prompt_index"]} · '
-                        f'{len(members)} samples · mean reward {fmt(float(np.mean(rewards)))}</h2>'
+                        f'{len(members)} samples · mean reward {fmt(float(np.mean(rewards)))}'
+                        f'{_columns_html(first.get("columns") or {})}</h2>'
                         f'<div class="conv">{prompt}</div>{samples}</section>')
     mrows = "".join(f'<tr data-key="{escape(k)}"><th>{escape(k)}</th>{num(v)}</tr>'
                     for k, v in sorted(metrics_row.items()) if k not in ("step", "time") and isinstance(v, (int, float)))

@@ -18,7 +18,8 @@ class DataConfig:
 
     train_jsonl: Optional[str] = None
     """The training prompts: one JSON object per line (``messages`` with ``<audio>`` tags,
-    ``audios``, optional ``tools`` and extra columns such as ``ground_truth``)."""
+    ``audios``, optional ``tools`` and extra columns such as ``ground_truth``). Unset: the embedded
+    synthetic audio-agent data (built into $MGRPO_CACHE; `mgrpo train` names the file it trains on)."""
     dev_jsonl: Optional[str] = None
     """Optional held-out prompts in the same format (evaluation only)."""
     max_audio_seconds: float = MODEL_MAX_AUDIO_SECONDS

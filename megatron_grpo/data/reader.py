@@ -46,7 +46,7 @@ import numpy as np
 from megatron_grpo.data.audio import (AudioError, AudioInfo, audio_data_url, load_audio,
                                       probe_audio, resolve_audio_path)
 from megatron_grpo.data.config import DataConfig
-from megatron_grpo.data.schema import AUDIO_TAG, DataError, check_row, parse_tools, row_error
+from megatron_grpo.data.schema import AUDIO_TAG, DataError, check_row, parse_span, parse_tools, row_error
 
 log = logging.getLogger("megatron_grpo.data")
 
@@ -56,6 +56,9 @@ __all__ = ["PromptRow", "PromptDataset", "SkippedRow", "DataIterator", "read_jso
 RESERVED_KEYS = ("messages", "audios", "tools")
 """Row keys the reader consumes; every other key is passed through in ``PromptRow.columns``."""
 _MAX_LOGGED_SKIPS = 20
+SPAN_SLACK_S = 1.0
+"""How far a ``ground_truth`` span may end past the row's longest recording: spans are written in
+whole seconds, and an mp3 header's length is an estimate."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,6 +261,12 @@ def _parse_line(raw: bytes, line_no: int, path: str, base_dir: Path, cfg: DataCo
         except AudioError as e:
             raise _audio_row_error(path, line_no, entry, e) from None
         paths.append(str(p))
+    if "ground_truth" in obj and infos:  # its format is checked by check_row
+        end, longest = parse_span(obj["ground_truth"])[1], max(i.duration for i in infos)
+        if end > longest + SPAN_SLACK_S:
+            raise row_error(path, line_no, f"'ground_truth' {obj['ground_truth']!r} ends at {end:g} s, after the "
+                            f"recording ends ({longest:.1f} s)",
+                            "fix the span, or the audio file the row names", "bad ground_truth")
     columns = {k: v for k, v in obj.items() if k not in RESERVED_KEYS}
     return PromptRow(prompt_index=prompt_index, messages=_convert_messages(obj["messages"]),
                      tools=tools, audio_paths=tuple(paths), columns=columns, source=path,

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -230,6 +232,7 @@ class VLLMServer:
         self.log_path = Path(log_path)
         self.proc: subprocess.Popen | None = None
         self._watcher: subprocess.Popen | None = None
+        self._tmp: str | None = None
 
     @property
     def url(self) -> str:
@@ -248,6 +251,15 @@ class VLLMServer:
             env["VLLM_API_KEY"] = self.spec.api_key
         for k, v in audio_limits_env(self.spec.max_audio_seconds).items():
             env.setdefault(k, v)
+        if self._tmp is not None:
+            # vLLM leaves its ZMQ sockets (VLLM_RPC_BASE_PATH) and file-store rendezvous files (vllm_dist_*)
+            # in the temp dir, ~8 per start: a folder of this server's own, removed by stop(); torch's
+            # compile cache keeps its usual place so a restart still finds it
+            import getpass
+
+            env.setdefault("TORCHINDUCTOR_CACHE_DIR",
+                           os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}"))
+            env["TMPDIR"] = env["VLLM_RPC_BASE_PATH"] = self._tmp
         return env
 
     def log_tail(self, n: int = 40) -> str:
@@ -262,6 +274,7 @@ class VLLMServer:
         log = open(self.log_path, "ab")
         log.write(start_banner(cmd).encode())  # a resumed run appends: each start is marked
         log.flush()
+        self._tmp = tempfile.mkdtemp(prefix="mgrpo-vllm-")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, env=self._env(), start_new_session=True)
         log.close()
@@ -307,6 +320,15 @@ class VLLMServer:
         """SIGTERM the server's process group, SIGKILL what is left after `grace` seconds."""
         p, self.proc = self.proc, None
         watcher, self._watcher = self._watcher, None
+        tmp, self._tmp = self._tmp, None
+        try:
+            self._stop(p, watcher, grace)
+        finally:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    @staticmethod
+    def _stop(p, watcher, grace: float) -> None:
         if p is None or p.poll() is not None:
             release(watcher)
             return

@@ -160,6 +160,8 @@ def test_pages_in_chromium_show_the_recording_and_metrics(recorded, tmp_path, ca
             srcs = [a.attrs["src"] for a in s.find_all("audio")]
             assert len(srcs) == 1  # the crop; the recording plays in the group's prompt
             group = s.parent
+            # the prompt row's ground truth in its group's heading: what the rewards compared against
+            assert f"ground_truth {t.columns['ground_truth']}" in group.children[0].all_text()
             prompt_srcs = [a.attrs["src"] for a in group.children[1].find_all("audio")]
             assert len(prompt_srcs) == 1
             for src, want in zip(prompt_srcs + srcs, t.audios):

@@ -149,8 +149,11 @@ def test_embedded_default_learns_checkpoints_and_resumes(remote_server, tmp_path
     r = _mgrpo("train", f"trainer.steps={REWARD_STEPS}", "checkpoint.every=2", "checkpoint.keep_last=1",
                "checkpoint.async_save=true", *_remote(remote_server), f"trainer.run_dir={run}")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "rows; the embedded synthetic audio-agent data, as data.train_jsonl is unset)\n" in r.stdout
+    assert "turns per conversation (a turn past the first follows a tool call): step 1 " in r.stdout
     m = _metrics(run)
     assert [x["step"] for x in m] == list(range(1, REWARD_STEPS + 1))
+    assert all(x["mismatch_kl_k3"] >= 0 for x in m), [x["mismatch_kl_k3"] for x in m]  # k3 >= 0 (algo/kl.py)
     print(f"turns/mean {[x['turns/mean'] for x in m]}, reward/mean {[round(x['reward/mean'], 3) for x in m]}; "
           f"step time {sum(x['time/step'] for x in m) / len(m):.1f} s")
     turns = [x["turns/mean"] for x in m]

@@ -184,6 +184,9 @@ def catalogue(d):
         (row(ground_truth="12-14"), "bad ground_truth",
          "'ground_truth' '12-14' is not a time span — write it as '[MM:SS - MM:SS]', e.g. "
          "'[01:05 - 01:20]', with start <= end"),
+        (row(ground_truth="[00:01 - 00:04]"), "bad ground_truth",  # good.wav is 2 s long
+         "'ground_truth' '[00:01 - 00:04]' ends at 4 s, after the recording ends (2.0 s) — fix the span, or "
+         "the audio file the row names"),
     ]
 
 
@@ -220,8 +223,8 @@ def test_skip_bad_rows_counts_and_reports(d, caplog):
     assert [s.line for s in ds.skipped] == list(range(2, 2 + len(cat)))
     assert [s.message for s in ds.skipped] == [f"{p} line {i + 2}: {c[2]}" for i, c in enumerate(cat)]
     assert ds.summary() == (
-        "skipped 16 of 18 rows: 2 audio tag count mismatch, 2 empty audio, 2 missing key, "
-        "1 audio outside audio_roots, 1 audio too long, 1 bad ground_truth, 1 bad messages, "
+        "skipped 17 of 19 rows: 2 audio tag count mismatch, 2 bad ground_truth, 2 empty audio, 2 missing key, "
+        "1 audio outside audio_roots, 1 audio too long, 1 bad messages, "
         "1 corrupt audio, 1 malformed JSON, 1 missing audio, 1 not UTF-8, 1 tools not JSON, "
         "1 wrong sample rate")
     logged = [r.getMessage() for r in caplog.records]

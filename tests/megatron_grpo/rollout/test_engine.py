@@ -384,7 +384,15 @@ def test_server_killed_mid_rollout(vllm_server, tiny_ckpt, tok, audio_dir, tmp_p
     spec = ServerSpec(model=str(tiny_ckpt), served_model_name=vllm_server.spec.served_model_name,
                       dtype="float32", max_model_len=2048, max_num_seqs=2, weight_transfer_backend=None,
                       worker_extension=None)
+    import re
+    import tempfile
+
+    tmp_root = Path(tempfile.gettempdir())
+    before = {q.name for q in tmp_root.iterdir()}
     doomed = VLLMServer(spec, tmp_path / "doomed.log").start(timeout=900)
+    own_tmp = Path(doomed._tmp)
+    # vLLM's ZMQ sockets and rendezvous files go to the server's own temp folder, not the shared one
+    assert any(own_tmp.iterdir()), "vLLM wrote nothing to the server's own temp folder"
     try:
         reg = builtin_registry()
         reg.add_policy("crop_every_turn", CropEveryTurn)
@@ -422,3 +430,7 @@ def test_server_killed_mid_rollout(vllm_server, tiny_ckpt, tok, audio_dir, tmp_p
             dead.run([make_row(audio_dir)])
     finally:
         doomed.stop()
+    assert not own_tmp.exists()  # stop() removed it, sockets of the killed server included
+    uuid = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+    left = [n for n in {q.name for q in tmp_root.iterdir()} - before if uuid.match(n) or n.startswith("vllm_dist_")]
+    assert left == [], left

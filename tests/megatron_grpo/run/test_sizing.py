@@ -148,6 +148,7 @@ def test_20_and_40_minute_recordings_train(tmp_path):
                "rollout.max_turns=2", "parallel.nproc=1", "parallel.tp=1", "checkpoint.every=0",
                "checkpoint.at_end=false", "logging.progress=false", f"trainer.run_dir={run}")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"[train] data: {jsonl} (2 rows)\n" in r.stdout  # the user's file, named
     sized = re.search(r"serve\.max_model_len=auto: (\d+) tokens \(longest prompt (\d+) \+ 2 turns of 32\); "
                       r"audio decode limit (\d+) s", r.stdout)
     assert sized, r.stdout[-3000:]

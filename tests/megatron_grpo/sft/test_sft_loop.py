@@ -65,7 +65,8 @@ def test_sft_learns_matches_hf_resumes_bit_identical_and_exports(tiny_ckpt, tmp_
     assert [x["step"] for x in m] == [1, 2, 3]
     assert m[2]["loss"] < m[1]["loss"] < m[0]["loss"], [x["loss"] for x in m]
     assert f"[sft] step 3/3 loss {m[2]['loss']:.4f}" in r.stdout
-    assert f"continue with `mgrpo train model.hf_dir={a / 'hf'}`" in r.stdout
+    assert (f"continue with `mgrpo train model.hf_dir={a / 'hf'} data.train_jsonl=PROMPTS.jsonl` (your GRPO "
+            "prompts, docs/data.md; without data.train_jsonl it trains on the embedded synthetic data)") in r.stdout
 
     # step 1 trained the base checkpoint on these samples: its loss is transformers' token-mean NLL
     rows = DataIterator(read_sft_jsonl(data / "sft.jsonl"), N, seed=0).next_batch()
