@@ -40,6 +40,7 @@ def long_recording(minutes: int) -> Path:
 
 def seed_rows(out: Path, recordings: list[Path]) -> Path:
     """train.jsonl in the seed format (as `mgrpo make-data` writes it), one row per recording."""
+    from megatron_grpo.data.schema import format_span
     from megatron_grpo.data.synth import CROP_AUDIO_TOOL
 
     out.mkdir(parents=True, exist_ok=True)
@@ -48,12 +49,15 @@ def seed_rows(out: Path, recordings: list[Path]) -> Path:
         link = out / rec.name
         if not link.exists():
             link.symlink_to(rec)
-        minutes = round(sf.info(str(rec)).duration / 60)
+        seconds = sf.info(str(rec)).duration
+        minutes = round(seconds / 60)
+        # the event where the user's agent crops; a shorter recording gets one in its second quarter
+        span = EVENT if EVENT[1] <= seconds else (seconds / 4, seconds / 2)
         lines.append(json.dumps({
             "tools": json.dumps([CROP_AUDIO_TOOL]), "audios": [rec.name], "id": f"long{i}",
             "messages": [{"role": "user", "content": f"<audio>\nWhen does the beeping happen? The recording is "
                                                      f"{minutes}:00 long. Answer with [MM:SS - MM:SS]."}],
-            "ground_truth": "[13:45 - 17:25]"}))
+            "ground_truth": format_span(*span)}))
     (out / "train.jsonl").write_text("\n".join(lines) + "\n")
     return out / "train.jsonl"
 
