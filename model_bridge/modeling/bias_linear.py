@@ -42,9 +42,10 @@ def bias_in_gemm_applies(layer) -> bool:
 
 
 class _BiasInGemm:
-    """The shared forward (a mixin in front of megatron's class)."""
+    """The shared constructor and forward (a mixin in front of megatron's class)."""
 
-    def _init_bias_in_gemm(self) -> None:
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self._bias_in_gemm = bias_in_gemm_applies(self)
 
     def forward(self, input_: torch.Tensor, *args, **kwargs):
@@ -60,14 +61,6 @@ class _BiasInGemm:
 class BiasInGemmColumnLinear(_BiasInGemm, ColumnParallelLinear):
     """megatron's ``ColumnParallelLinear``; alone on its TP group, the bias in the GEMM (module docstring)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._init_bias_in_gemm()
-
 
 class BiasInGemmRowLinear(_BiasInGemm, RowParallelLinear):
     """megatron's ``RowParallelLinear``; alone on its TP group, the bias in the GEMM (module docstring)."""
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._init_bias_in_gemm()
