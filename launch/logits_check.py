@@ -119,12 +119,14 @@ def rank_check(hf_dir: str, tp: int, ep: int, etp: Optional[int], pp: int, dtype
     """One rank of ``convert check``: build at the layout, load_hf, forward; logits on one rank."""
     import torch
 
+    from megatron_grpo.notices import quiet_known_notices
     from model_bridge.checkpoint import forward_logits
     from model_bridge.config import ParallelLayout, read_omni_config
     from model_bridge.load import load_hf
     from model_bridge.modeling import build_thinker
     from model_bridge.parallel import destroy_parallel, init_parallel
 
+    quiet_known_notices()  # a spawned rank does not inherit the CLI's warning filters
     init_parallel(tp=tp, ep=ep, etp=etp, pp=pp)
     try:
         spec = read_omni_config(hf_dir)
