@@ -74,18 +74,25 @@ def _kernels():
         return tl.dot(a, b)
 
     @triton.jit
-    def _conv1_taps(x_ptr, p, n_pos, HO, WO, M, L, sxk, sxm, sxl, TAPS: tl.constexpr):
+    def _conv1_taps(x_ptr, p, n_pos, HO, WO, M, L, sxk, sxm, sxl, TAPS: tl.constexpr, WIDE: tl.constexpr):
         """[P, TAPS] in x's dtype: position p's 3x3 window (zero padding 1, stride 2), then a 1 (the
-        bias is the tenth tap's weight), then zeros; all zero past ``n_pos``."""
+        bias is the tenth tap's weight), then zeros; all zero past ``n_pos``. ``p`` is int32: the
+        position's (chunk, row, column) take two 32-bit divisions (a 64-bit one is a ~70-instruction
+        subroutine call per element, which dominated the backward); the mel offsets are 64-bit only
+        when the input spans 2^31 elements (``WIDE``)."""
         t = tl.arange(0, TAPS)
-        wo = p % WO
-        ho = (p // WO) % HO
-        k = p // (WO * HO)
+        q = p // WO
+        wo = p - q * WO
+        k = q // HO
+        ho = q - k * HO
         r = 2 * ho[:, None] - 1 + (t // 3)[None, :]  # mel bin of each tap
         f = 2 * wo[:, None] - 1 + (t % 3)[None, :]   # frame of each tap
         live = (p < n_pos)[:, None]
         inside = live & (t < 9)[None, :] & (r >= 0) & (r < M) & (f >= 0) & (f < L)
-        off = k[:, None] * sxk + tl.maximum(r, 0) * sxm + tl.maximum(f, 0) * sxl
+        if WIDE:
+            off = k.to(tl.int64)[:, None] * sxk + tl.maximum(r, 0).to(tl.int64) * sxm + tl.maximum(f, 0).to(tl.int64) * sxl
+        else:
+            off = k[:, None] * sxk + tl.maximum(r, 0) * sxm + tl.maximum(f, 0) * sxl
         taps = tl.load(x_ptr + off, mask=inside, other=0.0)
         return tl.where(live & (t == 9)[None, :], 1.0, taps).to(x_ptr.dtype.element_ty)
 
@@ -94,31 +101,32 @@ def _kernels():
 
     @triton.jit
     def conv1_gelu_fwd(x_ptr, w_ptr, out_ptr, n_pos, C, HO, WO, M, L, sxk, sxm, sxl, TAPS: tl.constexpr,
-                       BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, IEEE: tl.constexpr):
-        p = tl.program_id(0).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
-        taps = _conv1_taps(x_ptr, p, n_pos, HO, WO, M, L, sxk, sxm, sxl, TAPS)  # gathered once, all channels
+                       BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, IEEE: tl.constexpr, WIDE: tl.constexpr):
+        p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)  # int32: n_pos < 2^31 (checked on the host)
+        taps = _conv1_taps(x_ptr, p, n_pos, HO, WO, M, L, sxk, sxm, sxl, TAPS, WIDE)  # gathered once, all channels
+        row = p.to(tl.int64)[:, None] * C  # the output's offsets pass 2^31 within an hour of audio
         t = tl.arange(0, TAPS)
         for c0 in range(0, C, BLOCK_C):
             c = c0 + tl.arange(0, BLOCK_C)
             w = tl.load(w_ptr + t[:, None] * C + c[None, :], mask=(c < C)[None, :], other=0.0)
             out, _ = _gelu_and_slope(_mm(taps, w, IEEE))
             keep = (p < n_pos)[:, None] & (c < C)[None, :]
-            tl.store(out_ptr + p[:, None] * C + c[None, :], out.to(out_ptr.dtype.element_ty), mask=keep)
+            tl.store(out_ptr + row + c[None, :], out.to(out_ptr.dtype.element_ty), mask=keep)
 
     @triton.jit
     def conv1_gelu_bwd(x_ptr, w_ptr, g_ptr, dw_ptr, n_pos, C, HO, WO, M, L, sxk, sxm, sxl, TAPS: tl.constexpr,
-                       BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, IEEE: tl.constexpr):
+                       BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, IEEE: tl.constexpr, WIDE: tl.constexpr):
         pid, n_prog = tl.program_id(0), tl.num_programs(0)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
         t = tl.arange(0, TAPS)
         w = tl.load(w_ptr + t[:, None] * C + c[None, :], mask=(c < C)[None, :], other=0.0)
         dw = tl.zeros([TAPS, BLOCK_C], tl.float32)  # row 9: the bias's gradient
         for start in range(pid * BLOCK_P, n_pos, n_prog * BLOCK_P):
-            p = tl.arange(0, BLOCK_P).to(tl.int64) + start
-            taps = _conv1_taps(x_ptr, p, n_pos, HO, WO, M, L, sxk, sxm, sxl, TAPS)
+            p = tl.arange(0, BLOCK_P) + start
+            taps = _conv1_taps(x_ptr, p, n_pos, HO, WO, M, L, sxk, sxm, sxl, TAPS, WIDE)
             _, slope = _gelu_and_slope(_mm(taps, w, IEEE))  # the pre-activation, recomputed
             keep = (p < n_pos)[:, None] & (c < C)[None, :]
-            g = tl.load(g_ptr + p[:, None] * C + c[None, :], mask=keep, other=0.0).to(tl.float32)
+            g = tl.load(g_ptr + p.to(tl.int64)[:, None] * C + c[None, :], mask=keep, other=0.0).to(tl.float32)
             dw += _mm(tl.trans(taps), (g * slope).to(x_ptr.dtype.element_ty), IEEE)
         tl.store(dw_ptr + pid * TAPS * C + t[:, None] * C + c[None, :], dw, mask=(c < C)[None, :])
 
@@ -176,6 +184,21 @@ def _channels_last_flat(t: torch.Tensor) -> torch.Tensor:
     return t.permute(0, 2, 3, 1).contiguous().view(-1, t.shape[1])
 
 
+_I32_MAX = 2**31 - 1
+
+
+def _mel_offsets_wide(x_K1ML: torch.Tensor, n_pos: int, block_p: int) -> bool:
+    """Whether the first conv's mel offsets need 64 bits (the ``WIDE`` of its kernels). Positions are
+    32-bit in the kernels: ``n_pos`` plus a grid's worth of tiles past it must stay below 2^31 (an
+    input of that size would have a 2 TB output at 480 channels, so this never binds in practice)."""
+    if n_pos + block_p * (torch.cuda.get_device_properties(x_K1ML.device).multi_processor_count
+                          * _PROGRAMS_PER_SM if x_K1ML.is_cuda else 2) > _I32_MAX:
+        raise ValueError(f"conv1_gelu takes fewer than 2^31 output positions per call, got {n_pos}: "
+                         "split the chunks into several calls")
+    last = sum((n - 1) * st for n, st in zip(x_K1ML.shape, x_K1ML.stride()) if n > 0)
+    return last > _I32_MAX
+
+
 class _Conv1Gelu(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_K1ML: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
@@ -191,12 +214,13 @@ class _Conv1Gelu(torch.autograd.Function):
         out_NC = torch.empty(n_pos, c, dtype=x_K1ML.dtype, device=x_K1ML.device)
         sxk, _, sxm, sxl = x_K1ML.stride()
         block_p, block_c, warps = _CONV1_FWD_TILE
+        wide = _mel_offsets_wide(x_K1ML, n_pos, max(block_p, _CONV1_BWD_TILE[0]))
         if n_pos:
             conv1_gelu_fwd[(-(-n_pos // block_p),)](x_K1ML, w_TC, out_NC, n_pos, c, ho, wo, m, length, sxk, sxm,
                                                     sxl, TAPS=_TAPS, BLOCK_P=block_p, BLOCK_C=block_c,
-                                                    IEEE=x_K1ML.dtype == torch.float32, num_warps=warps)
+                                                    IEEE=x_K1ML.dtype == torch.float32, WIDE=wide, num_warps=warps)
         ctx.save_for_backward(x_K1ML, w_TC)
-        ctx.geometry = (n_pos, c, ho, wo, m, length)
+        ctx.geometry = (n_pos, c, ho, wo, m, length, wide)
         ctx.params = (weight.shape, weight.dtype, bias.dtype)
         return out_NC.view(k, ho, wo, c).permute(0, 3, 1, 2)
 
@@ -204,7 +228,7 @@ class _Conv1Gelu(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         _, _, conv1_gelu_bwd, _, _ = _kernels()
         x_K1ML, w_TC = ctx.saved_tensors
-        n_pos, c, ho, wo, m, length = ctx.geometry
+        n_pos, c, ho, wo, m, length, wide = ctx.geometry
         w_shape, w_dtype, b_dtype = ctx.params
         g_NC = _channels_last_flat(grad_out)
         block_p, block_c, warps = _CONV1_BWD_TILE
@@ -213,7 +237,7 @@ class _Conv1Gelu(torch.autograd.Function):
         sxk, _, sxm, sxl = x_K1ML.stride()
         conv1_gelu_bwd[(progs, -(-c // block_c))](x_K1ML, w_TC, g_NC, dw_PTC, n_pos, c, ho, wo, m, length, sxk,
                                                   sxm, sxl, TAPS=_TAPS, BLOCK_P=block_p, BLOCK_C=block_c,
-                                                  IEEE=x_K1ML.dtype == torch.float32, num_warps=warps)
+                                                  IEEE=x_K1ML.dtype == torch.float32, WIDE=wide, num_warps=warps)
         dw_TC = dw_PTC.sum(0)
         return None, dw_TC[:9].T.reshape(w_shape).to(w_dtype), dw_TC[9].to(b_dtype)
 

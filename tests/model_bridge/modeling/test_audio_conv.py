@@ -186,3 +186,39 @@ def test_fused_bias_gelu_on_gpu():
     finally:
         torch.backends.cudnn.allow_tf32 = tf32
     _check_fused(_fused_cases("cuda", torch.bfloat16), 2e-2)
+
+
+def _wide_offsets_equal_narrow() -> bool:
+    """conv1_gelu's output and gradients with 64-bit mel offsets equal those with 32-bit ones, bit for bit."""
+    import model_bridge.modeling.audio_conv_fused as fused
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 1, 13, 9, generator=g)
+    w = (torch.randn(40, 1, 3, 3, generator=g) * 0.3).requires_grad_()
+    b = torch.randn(40, generator=g).requires_grad_()
+    up = torch.randn(2, 40, 7, 5, generator=g)
+    runs = []
+    for wide in (False, True):
+        fused._mel_offsets_wide = lambda *a, _w=wide: _w
+        y = fused.conv1_gelu(x, w, b)
+        runs.append((y, *torch.autograd.grad(y, [w, b], up)))
+    return all(torch.equal(a, c) for a, c in zip(*runs))
+
+
+def test_conv1_wide_mel_offsets_interpreted():
+    """Inputs past 2^31 elements take 64-bit mel offsets (``WIDE``): the same values as 32-bit ones."""
+    from megatron_grpo.testing.interpreted import run_interpreted
+    from model_bridge.modeling.audio_conv_fused import _kernels
+
+    assert run_interpreted(_kernels, _wide_offsets_equal_narrow)
+
+
+def test_conv1_refuses_positions_past_int32():
+    from model_bridge.modeling.audio_conv_fused import _mel_offsets_wide
+
+    x = torch.zeros(1, 1, 4, 4)
+    assert not _mel_offsets_wide(x, 10, 128)
+    assert _mel_offsets_wide(torch.empty_strided((1, 1, 2, 2), (0, 0, 2**31, 1), device="meta"), 10, 128)
+    with pytest.raises(ValueError, match=r"conv1_gelu takes fewer than 2\^31 output positions per call, got "
+                                         r"2147483600: split the chunks into several calls"):
+        _mel_offsets_wide(x, 2147483600, 128)
