@@ -217,7 +217,10 @@ def _triton_kernels():
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         rm = rows < n_rows
         t = tl.where(rm, rows // n_heads, 0).to(tl.int64)  # past the end: token 0's angles, g and x load as 0
-        h = (rows % n_heads).to(tl.int64)[:, None]
+        h32 = rows % n_heads
+        h = h32.to(tl.int64)[:, None]
+        # x's head split in 32 bits: a 64-bit division is a subroutine call per row
+        hx = ((h32 // hpg).to(tl.int64) * sxg + (h32 % hpg).to(tl.int64) * sxh)[:, None]
         m = rm[:, None]
         d = tl.arange(0, HALF)[None, :]
         cb = cos_ptr + t[:, None] * (2 * HALF) + d
@@ -231,7 +234,7 @@ def _triton_kernels():
         gp = g_ptr + t[:, None] * sg0 + h * sg1 + d
         g1 = tl.load(gp, mask=m, other=0.0).to(tl.float32)
         g2 = tl.load(gp + HALF, mask=m, other=0.0).to(tl.float32)
-        xp = x_ptr + t[:, None] * sx0 + (h // hpg) * sxg + (h % hpg) * sxh + d  # x's layout as in the forward
+        xp = x_ptr + t[:, None] * sx0 + hx + d  # x's layout as in the forward
         x1 = tl.load(xp, mask=m, other=0.0).to(tl.float32)
         x2 = tl.load(xp + HALF, mask=m, other=0.0).to(tl.float32)
         dn1 = g1 * c1 + g2 * s2  # the RoPE's transpose rotation: gradient of the normed x
