@@ -74,12 +74,15 @@ def _kernels():
         return tl.dot(a, b)
 
     @triton.jit
-    def _conv1_taps(x_ptr, p, n_pos, HO, WO, M, L, sxk, sxm, sxl, TAPS: tl.constexpr, WIDE: tl.constexpr):
+    def _conv1_taps(x_ptr, p, n_pos, HO: tl.constexpr, WO: tl.constexpr, M: tl.constexpr, L: tl.constexpr,
+                    sxk, sxm, sxl, TAPS: tl.constexpr, WIDE: tl.constexpr):
         """[P, TAPS] in x's dtype: position p's 3x3 window (zero padding 1, stride 2), then a 1 (the
-        bias is the tenth tap's weight), then zeros; all zero past ``n_pos``. ``p`` is int32: the
-        position's (chunk, row, column) take two 32-bit divisions (a 64-bit one is a ~70-instruction
-        subroutine call per element, which dominated the backward); the mel offsets are 64-bit only
-        when the input spans 2^31 elements (``WIDE``)."""
+        bias is the tenth tap's weight), then zeros; all zero past ``n_pos``. The integer work is
+        most of the backward's instructions, so: ``p`` is int32 and the chunk geometry constexpr (one
+        compilation per chunk shape, in practice 128 x 100), which makes the position's (chunk, row,
+        column) two multiply-shifts (a 64-bit division by a runtime value is a ~70-instruction
+        subroutine call per element); the mel offsets are 64-bit only when the input spans 2^31
+        elements (``WIDE``)."""
         t = tl.arange(0, TAPS)
         q = p // WO
         wo = p - q * WO
@@ -100,7 +103,8 @@ def _kernels():
     globals().update(_gelu_and_slope=_gelu_and_slope, _mm=_mm, _conv1_taps=_conv1_taps)
 
     @triton.jit
-    def conv1_gelu_fwd(x_ptr, w_ptr, out_ptr, n_pos, C, HO, WO, M, L, sxk, sxm, sxl, TAPS: tl.constexpr,
+    def conv1_gelu_fwd(x_ptr, w_ptr, out_ptr, n_pos, C, HO: tl.constexpr, WO: tl.constexpr, M: tl.constexpr,
+                       L: tl.constexpr, sxk, sxm, sxl, TAPS: tl.constexpr,
                        BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, IEEE: tl.constexpr, WIDE: tl.constexpr):
         p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)  # int32: n_pos < 2^31 (checked on the host)
         taps = _conv1_taps(x_ptr, p, n_pos, HO, WO, M, L, sxk, sxm, sxl, TAPS, WIDE)  # gathered once, all channels
@@ -114,7 +118,8 @@ def _kernels():
             tl.store(out_ptr + row + c[None, :], out.to(out_ptr.dtype.element_ty), mask=keep)
 
     @triton.jit
-    def conv1_gelu_bwd(x_ptr, w_ptr, g_ptr, dw_ptr, n_pos, C, HO, WO, M, L, sxk, sxm, sxl, TAPS: tl.constexpr,
+    def conv1_gelu_bwd(x_ptr, w_ptr, g_ptr, dw_ptr, n_pos, C, HO: tl.constexpr, WO: tl.constexpr,
+                       M: tl.constexpr, L: tl.constexpr, sxk, sxm, sxl, TAPS: tl.constexpr,
                        BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, IEEE: tl.constexpr, WIDE: tl.constexpr):
         pid, n_prog = tl.program_id(0), tl.num_programs(0)
         c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
