@@ -77,12 +77,12 @@ def _kernels():
     def _conv1_taps(x_ptr, p, n_pos, HO: tl.constexpr, WO: tl.constexpr, M: tl.constexpr, L: tl.constexpr,
                     sxk, sxm, sxl, TAPS: tl.constexpr, WIDE: tl.constexpr):
         """[P, TAPS] in x's dtype: position p's 3x3 window (zero padding 1, stride 2), then a 1 (the
-        bias is the tenth tap's weight), then zeros; all zero past ``n_pos``. The integer work is
-        most of the backward's instructions, so: ``p`` is int32 and the chunk geometry constexpr (one
-        compilation per chunk shape, in practice 128 x 100), which makes the position's (chunk, row,
-        column) two multiply-shifts (a 64-bit division by a runtime value is a ~70-instruction
-        subroutine call per element); the mel offsets are 64-bit only when the input spans 2^31
-        elements (``WIDE``)."""
+        bias is the tenth tap's weight), then zeros; all zero past ``n_pos``. Integer work is most of
+        the backward's instructions, so ``p`` is int32 and the chunk geometry constexpr (one
+        compilation per chunk shape, in practice 128 x 100): the position's (chunk, row, column) are
+        two multiply-shifts, where a 64-bit division by a runtime value tests the high words and
+        branches to a 19-instruction 32-bit path (an ~80-instruction subroutine past 2^32) per
+        element. The mel offsets are 64-bit only when the input spans 2^31 elements (``WIDE``)."""
         t = tl.arange(0, TAPS)
         q = p // WO
         wo = p - q * WO

@@ -219,7 +219,7 @@ def _triton_kernels():
         t = tl.where(rm, rows // n_heads, 0).to(tl.int64)  # past the end: token 0's angles, g and x load as 0
         h32 = rows % n_heads
         h = h32.to(tl.int64)[:, None]
-        # x's head split in 32 bits: a 64-bit division is a subroutine call per row
+        # x's head split in 32 bits: a 64-bit division tests the high words and branches per row
         hx = ((h32 // hpg).to(tl.int64) * sxg + (h32 % hpg).to(tl.int64) * sxh)[:, None]
         m = rm[:, None]
         d = tl.arange(0, HALF)[None, :]
