@@ -196,8 +196,7 @@ def _mel_offsets_wide(x_K1ML: torch.Tensor, n_pos: int, block_p: int) -> bool:
     """Whether the first conv's mel offsets need 64 bits (the ``WIDE`` of its kernels). Positions are
     32-bit in the kernels: ``n_pos`` plus a grid's worth of tiles past it must stay below 2^31 (an
     input of that size would have a 2 TB output at 480 channels, so this never binds in practice)."""
-    if n_pos + block_p * (torch.cuda.get_device_properties(x_K1ML.device).multi_processor_count
-                          * _PROGRAMS_PER_SM if x_K1ML.is_cuda else 2) > _I32_MAX:
+    if n_pos + block_p * _programs(x_K1ML.device, n_pos, block_p) > _I32_MAX:  # the backward's last start
         raise ValueError(f"conv1_gelu takes fewer than 2^31 output positions per call, got {n_pos}: "
                          "split the chunks into several calls")
     last = sum((n - 1) * st for n, st in zip(x_K1ML.shape, x_K1ML.stride()) if n > 0)
