@@ -311,11 +311,12 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
     """Run (or resume) the job described by `cfg` on this process's rank; returns an exit code."""
     from megatron_grpo.engine.batch import build_train_microbatches
     from megatron_grpo.engine.signals import PreemptionHandler
-    from megatron_grpo.engine.step import train_step
+    from megatron_grpo.engine.step import audio_prefetch_tower, train_step
     from megatron_grpo.hang import StepSchedule, Watchdog, check_schedule
 
     run = build_run(cfg, resume)
     cfg, src, engine = run.cfg, run.source, run.engine
+    tower = audio_prefetch_tower(engine, run.step_cfg)  # runs on the first micro-batch's clips while packing
     preempt = PreemptionHandler().install()
     no_signal = False
     try:
@@ -335,7 +336,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
                                                    n_window=engine.spec.audio.n_window,
                                                    routes=cfg.rollout.routing_replay == "r3",
                                                    share_clips=cfg.trainer.shared_clips,
-                                                   keep_shared=cfg.trainer.shared_clips_keep)
+                                                   keep_shared=cfg.trainer.shared_clips_keep, audio_tower=tower)
                     check_schedule(StepSchedule.from_microbatches(step, mbs))
                     lps = {} if run.kept.wants(step) else None
                     with wd.collective("train_step"):                       # 5. train step

@@ -3,10 +3,12 @@ and optimizer) and the same trajectories; each is one "step" over the step's mic
 
 * ``train``: the training phase exactly as ``mgrpo train`` runs it (``train.py``'s step 3-4):
   ``plan_step`` -> ``build_train_microbatches`` (featurising every clip with the trainer's
-  featurizer) -> ``check_schedule`` -> ``train_step``; timed with a sync at its end only;
+  featurizer; the first micro-batch's audio-tower batches start during the packing, as
+  ``mgrpo train`` runs them) -> ``check_schedule`` -> ``train_step``; timed with a sync at its end only;
 * ``train_recompute``: the same with ``trainer.shared_clips_keep: 0`` (every shared recording's
   first pass recomputed in the backward instead of kept);
-* ``train_split``: the same calls with syncs between them, so each part has its time:
+* ``train_split``: the same calls with syncs between them (and no tower batch started during the
+  build), so each part has its time:
   featurise (inside the build), pack (the build minus featurise, plus ``plan_step`` and the
   schedule check; each of the three also on its own: ``plan_s``, ``build_s``, ``check_s``),
   ``forward_backward``, ``optimizer_update`` (the zeroing of the grads in front
@@ -72,10 +74,12 @@ class TrainBench:
 
     # ---- the training phase -------------------------------------------------------------------
 
-    def _build(self, plan, feat_s: list | None, keep_shared=None):
+    def _build(self, plan, feat_s: list | None, keep_shared=None, prefetch: bool = False):
         """The step's micro-batches; with ``feat_s``, featurising is timed into ``feat_s[0]`` (with a
         sync after the device featurizer's kernels); without it, it runs as in ``mgrpo train``: the
-        featurizer's kernels overlap the host's packing."""
+        featurizer's kernels overlap the host's packing. ``prefetch``: the first micro-batch's tower
+        batches run during the packing too, as ``mgrpo train`` runs them (``audio_prefetch_tower``)."""
+        from megatron_grpo.engine.step import audio_prefetch_tower
         from megatron_grpo.engine.batch import build_train_microbatches
 
         def timed(waves):
@@ -89,7 +93,8 @@ class TrainBench:
         return build_train_microbatches(self.trajs, plan, 0, self.packing,
                                         featurize=self.featurize if feat_s is None else timed,
                                         n_window=self.engine.spec.audio.n_window, share_clips=self.shared_clips,
-                                        keep_shared=self.keep_shared if keep_shared is None else keep_shared)
+                                        keep_shared=self.keep_shared if keep_shared is None else keep_shared,
+                                        audio_tower=audio_prefetch_tower(self.engine, self.cfg) if prefetch else None)
 
     def train(self, keep_shared=None) -> dict:
         """``mgrpo train``'s step 3-4 as it runs (one sync, at the end); ``keep_shared`` overrides
@@ -102,7 +107,7 @@ class TrainBench:
         _sync(self.device)
         t0 = time.perf_counter()
         plan = plan_step(self.lengths, 1, self.packing)
-        mbs = self._build(plan, None, keep_shared)
+        mbs = self._build(plan, None, keep_shared, prefetch=True)
         check_schedule(StepSchedule.from_microbatches(self.step_no, mbs))
         m = train_step(self.engine, mbs, self.cfg, step=self.step_no)
         _sync(self.device)
@@ -115,7 +120,8 @@ class TrainBench:
                 "skipped": m["skipped"]}
 
     def train_split(self) -> dict:
-        """The same calls as :meth:`train` (``train_step``'s body inlined) with a sync between parts."""
+        """The same calls as :meth:`train` (``train_step``'s body inlined) with a sync between parts;
+        no tower batch runs during the build (its share is the host's alone)."""
         from megatron_grpo.engine.step import forward_backward, optimizer_update
         from megatron_grpo.hang import StepSchedule, check_schedule
         from megatron_grpo.packing import plan_step

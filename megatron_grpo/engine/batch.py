@@ -243,17 +243,18 @@ def _featurize_step(trajectories, ids: Sequence[int], featurize: Optional[Featur
         cache[k] = (a, part, n)
 
 
-def _clip_uses(mbs, trajectories, share: bool, pool: bool) -> tuple[dict[int, int], dict[int, tuple[int, int]]]:
-    """``(index, span)``: id of each clip of these micro-batches that goes through
-    :class:`SharedClips` -> its index there (first-use order), and that index -> the first and the
-    last micro-batch that use it. Without ``pool`` only the clips used more than once; with it every
-    clip; both empty unless ``share``."""
+def _clip_uses(mb_ids: Sequence[Sequence[int]], trajectories, share: bool,
+               pool: bool) -> tuple[dict[int, int], dict[int, tuple[int, int]]]:
+    """``(index, span)``: id of each clip of the micro-batches of samples ``mb_ids`` that goes
+    through :class:`SharedClips` -> its index there (first-use order), and that index -> the first
+    and the last micro-batch that use it. Without ``pool`` only the clips used more than once; with
+    it every clip; both empty unless ``share``."""
     if not share:
         return {}, {}
     counts: dict[int, int] = {}
     span: dict[int, tuple[int, int]] = {}
-    for k, mb in enumerate(mbs):
-        for i in mb.sample_ids:
+    for k, ids in enumerate(mb_ids):
+        for i in ids:
             for a in trajectories[i].audios:
                 counts[id(a)] = counts.get(id(a), 0) + 1
                 span[id(a)] = (span.get(id(a), (k, k))[0], k)
@@ -284,11 +285,12 @@ def _pooled_batches(span: dict[int, tuple[int, int]], lens: Sequence[int], local
     return batches + frame_batches(wide, lens, max_frames), keep
 
 
-def reset_shared_clips(microbatches: Sequence["TrainMicroBatch"]) -> None:
-    """Drop the shared clips' cached tower output before a pass over ``microbatches`` (the weights
-    may have changed since the last one)."""
+def reset_shared_clips(microbatches: Sequence["TrainMicroBatch"], training: bool = False) -> None:
+    """Before a pass over ``microbatches``: drop the shared clips' cached tower output (the weights
+    may have changed since the last one), but for a pass with autograd (``training``) the batches
+    ``build_train_microbatches(audio_tower=...)`` ran ahead for it (``SharedClips.begin_pass``)."""
     for shared in {id(m.clip_use.shared): m.clip_use.shared for m in microbatches if m.clip_use}.values():
-        shared.reset()
+        shared.begin_pass(training)
 
 
 def build_train_microbatches(trajectories: Sequence, plan: PackPlan, dp_rank: int, config: PackLimits, *,
@@ -296,7 +298,7 @@ def build_train_microbatches(trajectories: Sequence, plan: PackPlan, dp_rank: in
                              feature_extractor=None, n_window: int = 50,
                              ref_logprobs_by_sample: Optional[Sequence[torch.Tensor]] = None,
                              routes: bool = False, share_clips: bool = True,
-                             keep_shared: float = 0.5) -> list[TrainMicroBatch]:
+                             keep_shared: float = 0.5, audio_tower=None) -> list[TrainMicroBatch]:
     """The :class:`TrainMicroBatch` list of DP rank ``dp_rank`` under ``plan``.
 
     ``trajectories[i]`` is global sample i (``megatron_grpo.trajectory.Trajectory``; the same list
@@ -315,6 +317,11 @@ def build_train_microbatches(trajectories: Sequence, plan: PackPlan, dp_rank: in
     :func:`_pooled_batches`), and for the batches of clips that several use while those hold at
     most ``keep_frames``; the rest is recomputed. 0: only the clips used more than once are
     shared, all recomputed.
+
+    ``audio_tower`` (the model's tower on this rank, making no collective; only when the next pass
+    over these micro-batches is the training pass: ``engine.step.audio_prefetch_tower``): the first
+    micro-batch's batches of shared clips go through it as soon as they are featurised, so the
+    device runs them while the host packs the tokens (``ClipUse.prefetch``).
     """
     if keep_shared < 0:
         raise ValueError(f"keep_shared must be >= 0 (0: recompute every shared clip), got {keep_shared}")
@@ -331,26 +338,20 @@ def build_train_microbatches(trajectories: Sequence, plan: PackPlan, dp_rank: in
     advantages_N = torch.as_tensor(advantages_N, dtype=torch.float32).reshape(-1)
     if advantages_N.shape[0] != n:
         raise ValueError(f"advantages_N has {advantages_N.shape[0]} values for {n} samples")
+    if ref_logprobs_by_sample is not None and len(ref_logprobs_by_sample) != n:
+        raise ValueError(f"ref_logprobs_by_sample has {len(ref_logprobs_by_sample)} entries for {n} samples")
+    # the audio first (it needs only the plan's sample ids): a device featurizer's copy and kernels,
+    # and a prefetched tower batch, then run while the host packs the tokens
     clip_features: dict = {}
-    # first: a device featurizer's copy and kernels then run while the host packs the tokens
     _featurize_step(trajectories, mine, featurize, clip_features)
-    ids = {i: trajectories[i].input_ids_T for i in mine}  # the packer makes them tensors (packing.as_1d)
-    masks = {i: trajectories[i].loss_mask_T for i in mine}
-    mbs = build_rank_microbatches(plan, dp_rank, ids, masks, config)
-    rollout = {i: as_1d(trajectories[i].rollout_logprobs_T, torch.float32, f"rollout logprobs of sample {i}")
-               for i in mine}
-    refs = None
-    if ref_logprobs_by_sample is not None:
-        if len(ref_logprobs_by_sample) != n:
-            raise ValueError(f"ref_logprobs_by_sample has {len(ref_logprobs_by_sample)} entries for {n} samples")
-        refs = [torch.as_tensor(r, dtype=torch.float32) for r in ref_logprobs_by_sample]
+    mb_ids = [tuple(int(i) for i in ids) for ids in plan.microbatches[dp_rank]]
     pool = keep_shared > 0  # every clip through SharedClips: a tower call per batch, not per micro-batch
-    shared_ix, span = _clip_uses(mbs, trajectories, share_clips, pool)
+    shared_ix, span = _clip_uses(mb_ids, trajectories, share_clips, pool)
     shared_feats: dict[int, torch.Tensor] = {}
     per_mb = []
-    for mb in mbs:
+    for ids in mb_ids:
         feats, lens, order = [], [], []
-        for i in mb.sample_ids:
+        for i in ids:
             if not trajectories[i].audios:
                 continue
             for a, (f, ln) in zip(trajectories[i].audios, _sample_audio(i, trajectories[i], featurize, n_window,
@@ -378,15 +379,24 @@ def build_train_microbatches(trajectories: Sequence, plan: PackPlan, dp_rank: in
         for c, (_, k) in span.items():
             b = shared.batch_of[c]
             batch_last[b] = max(k, batch_last.get(b, k))
+    uses = [ClipUse(shared, tuple(order), tuple(sorted(b for b, last in batch_last.items() if last == k)))
+            if shared is not None and any(c < 0 for c in order) else None
+            for k, (_, _, order) in enumerate(per_mb)]
+    if audio_tower is not None and uses and uses[0] is not None:
+        uses[0].prefetch(audio_tower)
+    ids = {i: trajectories[i].input_ids_T for i in mine}  # the packer makes them tensors (packing.as_1d)
+    masks = {i: trajectories[i].loss_mask_T for i in mine}
+    mbs = build_rank_microbatches(plan, dp_rank, ids, masks, config)
+    rollout = {i: as_1d(trajectories[i].rollout_logprobs_T, torch.float32, f"rollout logprobs of sample {i}")
+               for i in mine}
+    refs = None if ref_logprobs_by_sample is None else [torch.as_tensor(r, dtype=torch.float32)
+                                                        for r in ref_logprobs_by_sample]
     out = []
-    for k, (mb, (feats, lens, order)) in enumerate(zip(mbs, per_mb)):
+    for mb, (feats, lens, _), use in zip(mbs, per_mb, uses):
         rollout_T = pack_per_token(mb, rollout)
         sid = mb.sample_index_T
         adv_T = torch.where(sid >= 0, advantages_N[sid.clamp(min=0)], torch.zeros(sid.shape, dtype=torch.float32))
         ref_T = None if refs is None else pack_per_token(mb, refs).to(torch.float32)
-        use = None
-        if shared is not None and any(c < 0 for c in order):
-            use = ClipUse(shared, tuple(order), tuple(sorted(b for b, last in batch_last.items() if last == k)))
         routes_TLK = None
         if routes:
             from megatron_grpo.engine.routes import pack_routes

@@ -134,7 +134,8 @@ def run_schedule(model, microbatches: Sequence[TrainMicroBatch], loss_for: Calla
     if not microbatches:
         return []
     get_model_config(chunks[0]).variable_seq_lengths = True  # packed micro-batches differ in T
-    reset_shared_clips(microbatches)  # the shared clips' tower output is of this pass's weights
+    # the shared clips' tower output is of this pass's weights (a prefetch for this training pass stays)
+    reset_shared_clips(microbatches, training=not forward_only)
     fb = get_forward_backward_func()
     kw = dict(forward_step_func=partial(_forward_step, has_float16_wrapper(chunks[0]), bool(fused_lm_head), loss_for,
                                         graphs=None if forward_only else graphs, routes=routes),

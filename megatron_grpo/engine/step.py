@@ -72,7 +72,7 @@ from .nonfinite import NonFiniteGradError, NonFiniteSkips, log_nonfinite
 from .routes import RouteSink, replay_metrics
 
 __all__ = ["StepConfig", "NonFiniteGradError", "NonFiniteSkips", "forward_backward", "optimizer_update",
-           "train_step", "StepError"]
+           "train_step", "StepError", "audio_prefetch_tower"]
 
 
 class StepError(RuntimeError):
@@ -235,6 +235,24 @@ def _keep_masks(microbatches: Sequence[TrainMicroBatch], config: StepConfig) -> 
 def _count_samples(keep_T: torch.Tensor, sample_index_T: torch.Tensor) -> int:
     ids = sample_index_T[keep_T & (sample_index_T >= 0)]
     return int(torch.unique(ids).numel())
+
+
+def audio_prefetch_tower(engine, config: StepConfig):
+    """The audio tower that ``build_train_microbatches(audio_tower=...)`` may run ahead of this
+    config's step (``shared_audio.ClipUse.prefetch``), or None: only where the step's first pass is
+    the training pass (no old-logprob pass: not MIS, not R2), on the stage that holds the tower,
+    and where running it early cannot reorder a collective (a tower without TP collectives, no
+    parameter all-gather overlapped with the forward: the prefetch runs before the ranks agree)."""
+    from .setup import unwrapped
+
+    if config.routing_replay == "r2" or (config.objective == "grpo" and config.importance.mode == "mis"):
+        return None
+    if engine.optim.overlap_param_gather:
+        return None
+    tower = getattr(unwrapped(engine.model[0]), "audio_tower", None)
+    if tower is None or (tower.tensor_parallel and engine.layout.tp > 1):
+        return None
+    return tower
 
 
 def _loss_for(vocab_size: int, config: StepConfig, norms: dict, scale: float, logprobs_out: Optional[dict],

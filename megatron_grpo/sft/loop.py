@@ -45,7 +45,7 @@ def sft(cfg: TrainConfig, resume: bool = False) -> int:
     from megatron_grpo.engine.checkpoint import load_checkpoint
     from megatron_grpo.engine.checkpoint_async import Checkpoints, async_save_enabled
     from megatron_grpo.engine.setup import build_engine
-    from megatron_grpo.engine.step import StepConfig, train_step
+    from megatron_grpo.engine.step import StepConfig, audio_prefetch_tower, train_step
     from megatron_grpo.hang import StepSchedule, Watchdog, check_schedule
     from megatron_grpo.metrics import MetricsLogger
     from megatron_grpo.packing import PackLimits, plan_step, round_up
@@ -84,6 +84,7 @@ def sft(cfg: TrainConfig, resume: bool = False) -> int:
                           max_consecutive_skips=cfg.trainer.max_consecutive_skips,
                           logprob_chunk_size=cfg.trainer.logprob_chunk_size, fused_lm_head=cfg.trainer.fused_lm_head)
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    tower = audio_prefetch_tower(engine, step_cfg)  # runs on the first micro-batch's clips while packing
     audio_id, n_window = engine.spec.audio_token_id, engine.spec.audio.n_window
     logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, plot=cfg.logging.plot,
                            plotted=(("loss", "SFT loss (token-mean NLL)"), ("grad_norm", "grad norm"))) \
@@ -108,7 +109,7 @@ def sft(cfg: TrainConfig, resume: bool = False) -> int:
                                for r in rows]
                     plan = plan_step([x.num_tokens for x in samples], dp_size, packing)
                     mbs = build_train_microbatches(samples, plan, dp_rank, packing, featurize=featurize,
-                                                   n_window=n_window)
+                                                   n_window=n_window, audio_tower=tower)
                     check_schedule(StepSchedule.from_microbatches(step, mbs))
                     with wd.collective("train_step"):
                         m = train_step(engine, mbs, step_cfg, step=step)

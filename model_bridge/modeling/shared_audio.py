@@ -34,8 +34,15 @@ budget in frames, so no more than a micro-batch's own audio), plus the clips' em
 gradient (``[tokens, out]`` each). The gradient is the eager one up to the order of a sum.
 
 Schedules run every micro-batch's backward in forward order (megatron's no-pipelining and 1F1B
-schedules), so a batch's last user's backward comes after every earlier user's; :meth:`reset`
-before each pass (the weights may have changed) drops the cached embeddings and kept graphs.
+schedules), so a batch's last user's backward comes after every earlier user's;
+:meth:`SharedClips.begin_pass` before each pass (the weights may have changed) drops the cached
+embeddings and kept graphs, except what :meth:`ClipUse.prefetch` computed for the pass with autograd
+that comes next.
+
+Prefetch: the first micro-batch's batches can run before the pass starts (``ClipUse.prefetch``, the
+same calls in the same order as its forward makes them), so the device works on the tower while the
+host still packs the step's tokens. The tower must then make no collective (a replicated tower, or
+TP 1): the prefetch runs before the ranks have agreed on the step.
 
 Shape legend: ``M`` mel bins, ``F`` frames, ``N`` audio tokens (tower output rows), ``O`` the
 tower's output width.
@@ -95,13 +102,23 @@ class SharedClips:
         self._kept: dict[int, list[torch.Tensor]] = {}  # batch -> its tower outputs with their graph
         self.kept_batches = 0
         """Batches of the last pass whose first pass was kept for the backward (the rest recomputed)."""
+        self.prefetched = False
+        """Batches ran ahead of the next pass with autograd (:meth:`ClipUse.prefetch`)."""
 
     def __len__(self) -> int:
         return len(self.features_MF)
 
     def reset(self) -> None:
         """Forget the embeddings and kept graphs (a new pass: the weights may have changed)."""
-        self._leaf, self._kept, self.kept_batches = {}, {}, 0
+        self._leaf, self._kept, self.kept_batches, self.prefetched = {}, {}, 0, False
+
+    def begin_pass(self, training: bool) -> None:
+        """Before a pass over the micro-batches: a prefetch is this pass's first tower calls when
+        the pass has autograd (``training``); anything else is forgotten (:meth:`reset`)."""
+        if self.prefetched and training:
+            self.prefetched = False
+        else:
+            self.reset()
 
     def _run(self, tower, b: int) -> list[torch.Tensor]:
         """The tower on batch ``b``: ``[N_c, O]`` per clip (the same call in the first pass and the
@@ -210,16 +227,31 @@ class ClipUse:
     def num_own(self) -> int:
         return sum(1 for c in self.order if c >= 0)
 
+    def _split(self) -> tuple[list[int], list[int]]:
+        """This micro-batch's shared clips: those of batches it is not the last user of, and the rest."""
+        wanted = sorted({-1 - c for c in self.order if c < 0})
+        last = set(self.last)
+        return ([c for c in wanted if self.shared.batch_of[c] not in last],
+                [c for c in wanted if self.shared.batch_of[c] in last])
+
+    def prefetch(self, tower) -> None:
+        """Run the tower now on the batches this micro-batch's forward would run first, with
+        autograd, in the order :meth:`rows` runs them (same keep decisions, same values); the next
+        pass with autograd (:meth:`SharedClips.begin_pass`) takes them. For the first micro-batch
+        of a pass, before the pass begins; the tower must make no collective (module doc)."""
+        self.shared.reset()
+        with torch.enable_grad():
+            for clips in self._split():
+                self.shared._leaves(tower, clips)
+        self.shared.prefetched = True
+
     def rows(self, tower, own_NO: Optional[torch.Tensor], own_tokens: Sequence[int]) -> torch.Tensor:
         """The micro-batch's audio rows ``[N, O]`` in token order from its own clips' tower output
         ``own_NO`` (rows of each own clip: ``own_tokens``) and the shared clips' embeddings."""
         own = list(own_NO.split(list(own_tokens))) if own_NO is not None else []
         if len(own) != self.num_own:
             raise ValueError(f"the micro-batch has {self.num_own} own clip(s) but the tower got {len(own)}")
-        wanted = sorted({-1 - c for c in self.order if c < 0})
-        last = set(self.last)
-        early = [c for c in wanted if self.shared.batch_of[c] not in last]
-        late = [c for c in wanted if self.shared.batch_of[c] in last]
+        early, late = self._split()
         got = dict(zip(early, self.shared.embeddings(tower, early)))
         got.update(zip(late, self.shared.last_use(tower, late, self.last)))
         dtype = own[0].dtype if own else next(iter(got.values())).dtype

@@ -199,3 +199,79 @@ def _record_frames(res) -> int:
     own = sum(sum(x) for x in res[0.0]["own"])
     alone = sum(sum(x) for x in res[None]["own"])
     return (alone - own) // (GROUP + 1)
+
+
+def _run_prefetch(hf_dir: str, trajs: list, tp: int) -> dict:
+    """The pooled step built three ways: plain; with the first micro-batch's tower batches run
+    during the build (``audio_tower=``); the same, then a forward-only pass before the training
+    pass (which must drop the prefetch). Per way: the loss, the grads, the tower calls' frames made
+    during the build and during the passes."""
+    import dataclasses
+
+    from megatron.core import parallel_state as ps
+
+    from megatron_grpo.algo.importance import ISConfig
+    from megatron_grpo.engine.batch import build_train_microbatches, featurizer_from_extractor
+    from megatron_grpo.engine.forward import compute_logprobs
+    from megatron_grpo.engine.setup import OptimConfig, build_engine, unwrapped
+    from megatron_grpo.engine.step import StepConfig, audio_prefetch_tower, forward_backward
+    from megatron_grpo.packing import PackLimits, plan_step
+    from model_bridge.config import ParallelLayout
+    from model_bridge.parallel import destroy_parallel, init_parallel
+    from transformers import WhisperFeatureExtractor
+
+    from tests.megatron_grpo.engine.test_step import hf_tensors
+
+    torch.set_num_threads(1)
+    init_parallel(tp=tp, seed=1234)
+    engine = build_engine(hf_dir, ParallelLayout(tp=tp), OptimConfig(lr=1e-3), dtype=torch.float32,
+                          moe_aux_loss_coeff=0.0)
+    step_cfg = StepConfig(importance=ISConfig(mode="tis", level="token", tis_cap=2.0), logprob_chunk_size=64)
+    tower = unwrapped(engine.model[0]).audio_tower
+    out = {"tower": audio_prefetch_tower(engine, step_cfg) is tower,
+           "collective_free": not (tower.tensor_parallel and tp > 1),
+           "refused": [audio_prefetch_tower(engine, dataclasses.replace(step_cfg, **kw)) is None
+                       for kw in ({"importance": ISConfig(mode="mis")}, {"routing_replay": "r2"})]}
+    frames = []
+    tower.register_forward_pre_hook(lambda mod, args: frames.append(int(args[1].sum())))
+    featurize = featurizer_from_extractor(WhisperFeatureExtractor.from_pretrained(hf_dir))
+    cfg = PackLimits(max_tokens_per_microbatch=BUDGET, pad_multiple=tp)
+    plan = plan_step([t.num_tokens for t in trajs], ps.get_data_parallel_world_size(), cfg)
+    for way in ("plain", "prefetch", "prefetch_then_logprobs"):
+        frames.clear()
+        mbs = build_train_microbatches(trajs, plan, ps.get_data_parallel_rank(), cfg, featurize=featurize,
+                                       n_window=engine.spec.audio.n_window, keep_shared=1.0,
+                                       audio_tower=None if way == "plain" else tower)
+        built = list(frames)
+        if way == "prefetch_then_logprobs":
+            compute_logprobs(engine.model, mbs, vocab_size=engine.spec.text.vocab_size, chunk_size=64)
+        for m in engine.model:
+            m.zero_grad_buffer()
+        engine.optimizer.zero_grad()
+        metrics = forward_backward(engine, mbs, step_cfg, force_all_reduce=True)
+        shared = mbs[0].clip_use.shared
+        out[way] = dict(loss=metrics["loss"], grads=hf_tensors(engine.model, engine.spec, "grad"), built=built,
+                        passes=frames[len(built):], kept=shared.kept_batches, batches=shared.batches,
+                        first=sorted({shared.batch_of[-1 - c] for c in mbs[0].clip_use.order}))
+    destroy_parallel()
+    return out
+
+
+def test_prefetched_tower_batches_make_the_same_step(tiny_ckpt, trajectories):
+    """``build_train_microbatches(audio_tower=...)`` runs the first micro-batch's tower batches during
+    the build (the device works while the host packs); the training pass then takes them instead of
+    running them again, and the step's loss and gradients are bit-identical to the plain build's.
+    A forward-only pass in between drops the prefetch (its batches run again, same step)."""
+    res = run_ranks(_run_prefetch, 1, str(tiny_ckpt), trajectories, 1, timeout=300, env=CPU_ONLY)[0]
+    plain, pre, dropped = res["plain"], res["prefetch"], res["prefetch_then_logprobs"]
+    assert res["tower"] and res["collective_free"] and res["refused"] == [True, True]
+    assert plain["built"] == [] and len(plain["batches"]) >= 2
+    first = [plain["passes"][k] for k in range(len(plain["first"]))]
+    assert pre["built"] == first and pre["passes"] == plain["passes"][len(first):]
+    assert dropped["built"] == first
+    # the forward-only pass runs every batch once, then the training pass runs them all again
+    assert dropped["passes"][len(plain["batches"]):] == plain["passes"]
+    for other in (pre, dropped):
+        assert other["kept"] == plain["kept"] and other["loss"] == plain["loss"]
+        for k, g in plain["grads"].items():
+            assert torch.equal(other["grads"][k], g), k
