@@ -39,6 +39,10 @@ STAGE_PIECE = 1 << 20
 """Samples (4 MiB) per piece of the staging copy; the pieces are spread over ``_stage_threads()``
 threads (numpy releases the GIL while it copies)."""
 
+H2D_PIECE = 8 << 20
+"""Samples (32 MiB) per host-to-device copy on CUDA: each range of the staging buffer crosses as
+soon as it is written, so the copy of one range runs while the host writes the next."""
+
 _POOL: Optional[ThreadPoolExecutor] = None
 
 
@@ -46,15 +50,21 @@ def _stage_threads() -> int:
     return max(1, min(8, (os.cpu_count() or 1) // 2))
 
 
-def _stage_clips(host: np.ndarray, clips: Sequence[np.ndarray], padded: Sequence[int]) -> None:
+def _stage_clips(host: np.ndarray, clips: Sequence[np.ndarray], padded: Sequence[int], lo: int = 0,
+                 hi: Optional[int] = None) -> None:
     """Write ``clips`` end to end into ``host``, each followed by zeros up to its ``padded`` length,
     in pieces of at most :data:`STAGE_PIECE` samples over a few threads: a step's waveforms are
-    hundreds of MB, which one thread copies at a fraction of the host's memory bandwidth."""
+    hundreds of MB, which one thread copies at a fraction of the host's memory bandwidth. Only
+    ``host[lo:hi]`` of that layout is written (default: all of it)."""
     global _POOL
+    hi = sum(padded) if hi is None else hi
     pieces, o = [], 0
     for w, n in zip(clips, padded):
-        pieces += [(o + a, w, a, min(a + STAGE_PIECE, len(w))) for a in range(0, len(w), STAGE_PIECE)]
-        host[o + len(w):o + n] = 0.0
+        a0, a1 = max(lo - o, 0), min(hi - o, len(w))  # the clip's samples inside [lo, hi)
+        pieces += [(o + a, w, a, min(a + STAGE_PIECE, a1)) for a in range(a0, a1, STAGE_PIECE)]
+        z0, z1 = max(o + len(w), lo), min(o + n, hi)
+        if z0 < z1:
+            host[z0:z1] = 0.0
         o += n
 
     def copy(batch):
@@ -90,21 +100,25 @@ class DeviceFeaturizer:
     def _to_device(self, clips: Sequence[np.ndarray], padded: Sequence[int]) -> torch.Tensor:
         """The clips end to end, each zero-padded to its ``padded`` length (a multiple of the hop),
         as one float32 tensor on the device. On CUDA they are written into a pinned staging buffer
-        kept across calls (grown as needed) and cross in one asynchronous copy; the next call waits
-        for that copy before it writes the buffer again."""
+        kept across calls (grown as needed) and cross in asynchronous copies of :data:`H2D_PIECE`
+        samples, each issued once its range is written; the next call waits for the last copy
+        before it writes the buffer again."""
         total = sum(padded)
-        if self.device.type == "cuda":
-            if self._copied is not None:
-                self._copied.synchronize()
-            if self._stage is None or self._stage.numel() < total:
-                self._stage = torch.empty(int(total * 1.25) + 1, dtype=torch.float32, pin_memory=True)
-            buf = self._stage[:total]
-        else:
-            buf = torch.empty(total, dtype=torch.float32)
-        _stage_clips(buf.numpy(), clips, padded)
         if self.device.type != "cuda":
+            buf = torch.empty(total, dtype=torch.float32)
+            _stage_clips(buf.numpy(), clips, padded)
             return buf
-        out = buf.to(self.device, non_blocking=True)
+        if self._copied is not None:
+            self._copied.synchronize()
+        if self._stage is None or self._stage.numel() < total:
+            self._stage = torch.empty(int(total * 1.25) + 1, dtype=torch.float32, pin_memory=True)
+        buf = self._stage[:total]
+        host = buf.numpy()
+        out = torch.empty(total, dtype=torch.float32, device=self.device)
+        for lo in range(0, total, H2D_PIECE):
+            hi = min(lo + H2D_PIECE, total)
+            _stage_clips(host, clips, padded, lo, hi)
+            out[lo:hi].copy_(buf[lo:hi], non_blocking=True)
         self._copied = torch.cuda.Event()
         self._copied.record()
         return out

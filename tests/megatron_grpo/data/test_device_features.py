@@ -59,6 +59,13 @@ def test_staging_in_threaded_pieces_is_exact(monkeypatch):
     df._stage_clips(host, clips, padded)
     want = np.concatenate([np.pad(w, (0, n - len(w))) for w, n in zip(clips, padded)])
     assert np.array_equal(host, want)
+    # in ranges (the CUDA path copies each to the device once written): bounds inside clips, at a
+    # clip's end, inside its zeros; each call writes its range and nothing else
+    cuts = sorted({0, 7, len(clips[0]), len(clips[0]) + 3, padded[0], padded[0] + 2500, sum(padded)})
+    ranged = np.full(sum(padded), np.nan, dtype=np.float32)
+    for lo, hi in zip(cuts, cuts[1:]):
+        df._stage_clips(ranged, clips, padded, lo, hi)
+        assert np.array_equal(ranged[:hi], want[:hi]) and np.isnan(ranged[hi:]).all(), (lo, hi)
     _check("cpu", 1e-4)  # the featurizer through the same path
 
 
@@ -73,6 +80,21 @@ def test_dither_is_refused():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_matches_extractor():
     _check("cuda", 2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_copies_in_small_pieces_match_one_copy(monkeypatch):
+    """The waveforms cross to the device in many small copies (each issued once its range is
+    staged; 999 samples, so bounds fall inside clips and padding): the same features, to the bit."""
+    import megatron_grpo.data.device_features as df
+
+    feat = DeviceFeaturizer(_extractor(), "cuda")
+    clips = _clips(3)
+    whole_f, whole_n = feat(clips)
+    monkeypatch.setattr(df, "H2D_PIECE", 999)
+    piece_f, piece_n = feat(clips)
+    assert torch.equal(whole_n, piece_n) and torch.equal(whole_f, piece_f)
 
 
 def test_a_dithering_extractor_featurises_on_the_host_with_one_warning(monkeypatch, caplog):
