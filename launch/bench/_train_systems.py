@@ -7,6 +7,8 @@ and optimizer) and the same trajectories; each is one "step" over the step's mic
   ``mgrpo train`` runs them) -> ``check_schedule`` -> ``train_step``; timed with a sync at its end only;
 * ``train_recompute``: the same with ``trainer.shared_clips_keep: 0`` (every shared recording's
   first pass recomputed in the backward instead of kept);
+* ``train_serial``: ``train`` with no tower batch started during the build (the device idle until
+  the step's first forward but for the featurizer's work: what the prefetch saves);
 * ``train_split``: the same calls with syncs between them (and no tower batch started during the
   build), so each part has its time:
   featurise (inside the build), pack (the build minus featurise, plus ``plan_step`` and the
@@ -96,9 +98,9 @@ class TrainBench:
                                         keep_shared=self.keep_shared if keep_shared is None else keep_shared,
                                         audio_tower=audio_prefetch_tower(self.engine, self.cfg) if prefetch else None)
 
-    def train(self, keep_shared=None) -> dict:
+    def train(self, keep_shared=None, prefetch: bool = True) -> dict:
         """``mgrpo train``'s step 3-4 as it runs (one sync, at the end); ``keep_shared`` overrides
-        ``trainer.shared_clips_keep``."""
+        ``trainer.shared_clips_keep``; ``prefetch=False``: no tower batch runs during the build."""
         from megatron_grpo.engine.step import train_step
         from megatron_grpo.hang import StepSchedule, check_schedule
         from megatron_grpo.packing import plan_step
@@ -107,11 +109,11 @@ class TrainBench:
         _sync(self.device)
         t0 = time.perf_counter()
         plan = plan_step(self.lengths, 1, self.packing)
-        mbs = self._build(plan, None, keep_shared, prefetch=True)
+        mbs = self._build(plan, None, keep_shared, prefetch=prefetch)
         check_schedule(StepSchedule.from_microbatches(self.step_no, mbs))
         m = train_step(self.engine, mbs, self.cfg, step=self.step_no)
         _sync(self.device)
-        if keep_shared is None:
+        if keep_shared is None and prefetch:
             self.last_metrics = m
             shared = next((x.clip_use.shared for x in mbs if x.clip_use), None)
             self.shared_kept = None if shared is None else {"batches": len(shared.batches),
@@ -229,7 +231,8 @@ class TrainBench:
 
     def systems(self, names) -> dict:
         """name -> callable returning that system's times of one step."""
-        table = {"train": self.train, "train_recompute": partial(self.train, 0.0), "train_split": self.train_split,
+        table = {"train": self.train, "train_recompute": partial(self.train, 0.0),
+                 "train_serial": partial(self.train, None, False), "train_split": self.train_split,
                  "stack": self.stack,
                  "stack_lm": partial(self.stack, True), "audio": self.audio, "h2d": self.h2d}
         unknown = [n for n in names if n not in table]

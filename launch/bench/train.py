@@ -21,7 +21,8 @@ Systems (``_train_systems``), run in turns, round by round (``--warmup`` untimed
 ``train`` (the phase as ``mgrpo train`` runs it: plan -> build micro-batches with features ->
 schedule check -> ``train_step``), ``train_recompute`` (the same with every shared recording
 recomputed in the backward instead of its first pass kept: ``trainer.shared_clips_keep: 0``;
-``--shared-keep`` sets ``train``'s), ``train_split`` (the same with a sync between the parts),
+``--shared-keep`` sets ``train``'s), ``train_serial`` (the same with no audio-tower batch started
+while the host packs: ``ClipUse.prefetch`` off), ``train_split`` (the same with a sync between the parts),
 ``stack`` (layer stack alone: embedding, decoder, final norm), ``stack_lm`` (layer stack + fused
 LM-head logprob), ``audio`` (the audio tower alone), ``h2d`` (the micro-batches' copy to the device).
 
@@ -56,7 +57,7 @@ TARGET_VS_STACK_LM = 0.8
 """``train`` tokens/s over ``stack_lm`` tokens/s."""
 TARGET_HOST_SHARE = 0.05
 """featurise + pack + H2D over the training phase."""
-SYSTEMS = ("train", "train_recompute", "train_split", "stack", "stack_lm", "audio", "h2d")
+SYSTEMS = ("train", "train_recompute", "train_serial", "train_split", "stack", "stack_lm", "audio", "h2d")
 
 
 def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16, mb_tokens: int | str = "auto",
@@ -229,6 +230,9 @@ def report(res: dict) -> dict:
     recompute = med("train_recompute", "phase_s_median")
     if train and recompute:  # what keeping the shared recordings' first pass saves
         r["train_vs_train_recompute_tok_s"] = recompute / train
+    serial = med("train_serial", "phase_s_median")
+    if train and serial:  # what starting the tower during the packing saves
+        r["train_vs_train_serial_tok_s"] = serial / train
     phase = split.get("phase_s_median")
     if phase:
         fb = split["forward_backward_s_median"]
@@ -270,8 +274,8 @@ def _print_table(res: dict) -> None:
             print(f"  share {k:24s} {v * 1e3:9.1f} ms  {100 * v / r['phase_s']:5.1f}%")
     if "pack_parts_s" in r:
         print("  pack = " + " + ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r["pack_parts_s"].items()))
-    for k in ("train_vs_stack_lm_tok_s", "train_vs_stack_tok_s", "featurise_pack_h2d_share",
-              "optimizer_vs_bandwidth_bound"):
+    for k in ("train_vs_stack_lm_tok_s", "train_vs_stack_tok_s", "train_vs_train_serial_tok_s",
+              "featurise_pack_h2d_share", "optimizer_vs_bandwidth_bound"):
         if k in r:
             print(f"  {k:32s} {r[k]:.3f}")
     print(f"  targets: {r['targets']}")

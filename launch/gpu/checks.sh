@@ -13,8 +13,9 @@
 #   files, for two calls where the whole set would pass the step's 560 s;
 # * layers*/mb3072/ep2/sync/train*: the benchmarks with the commands docs/performance.md quotes
 #   (train*: mgrpo bench train at 4 / 8 full-width layers; its generated checkpoint goes to /tmp;
-#   profile4: the 4-layer phase, the layer stack + LM head and the audio tower alone, each once
-#   more under torch.profiler, their top kernels in OUT/profile4/profile_*.txt; graphs4*: the
+#   profile4: the 4-layer phase (also without the tower prefetch), the layer stack + LM head and
+#   the audio tower alone, each but the second once more under torch.profiler, their top kernels
+#   in OUT/profile4/profile_*.txt; graphs4*: the
 #   training phase with and without trainer.cuda_graphs, one after the other on the same
 #   checkpoint and trajectories, at the auto budget / at 16,384 tokens / at 4,096 tokens with 16
 #   samples, a budget where trainer.cuda_graphs: auto turns graphs on; audio_front: the audio
@@ -54,7 +55,7 @@ for step in ${STEPS[@]}; do
     layers2) bench layers2 300 layers --layers 2 --systems ours,ours_graph,ours_sepqkn,ours_mb,ours_mb_graph,ours_mb_rc,hf_bs1,hf_bs4 --out "$OUT/layers2" || rc=1 ;;
     layers2g) bench layers2g 300 layers --layers 2 --systems ours,ours_mb,ours_mb_graph --out "$OUT/layers2g" || rc=1 ;;
     train4) bench train4 540 train --layers 4 --out "$OUT/train4" --work-dir /tmp/bench_train || rc=1 ;;
-    profile4) bench profile4 400 train --layers 4 --samples 64 --systems train,stack_lm,audio --iters 2 \
+    profile4) bench profile4 400 train --layers 4 --samples 64 --systems train,train_serial,stack_lm,audio --iters 2 \
                 --profile train,stack_lm,audio --out "$OUT/profile4" --work-dir /tmp/bench_train || rc=1 ;;
     train8) bench train8 570 train --layers 8 --out "$OUT/train8" --work-dir /tmp/bench_train || rc=1 ;;
     graphs4|graphs4_16k|graphs4_4k)
