@@ -179,11 +179,42 @@ PROFILE_TOP = 30
 """Kernels (by total device time) a ``--profile`` table keeps."""
 
 
+GAPS_TOP = 10
+"""Longest device idle gaps listed per profiled step."""
+
+
+def device_timeline(spans_us: list[tuple[float, float]], start_us: float, end_us: float) -> dict:
+    """Where the device was idle in a profiled step: ``spans_us`` are its activities (kernels,
+    copies, memsets) as ``(start, end)`` in microseconds, ``[start_us, end_us]`` the step on the
+    host's clock. Returns ms: the step, the device busy (the activities' union), idle in all, idle
+    before its first activity and after its last, and the :data:`GAPS_TOP` longest gaps between
+    activities (``at_ms``: where each begins, from the step's start)."""
+    busy, gaps, last = 0.0, [], None
+    for a, b in sorted(spans_us):
+        if last is None:
+            first = a
+        elif a > last:
+            gaps.append((a - last, last))
+        if last is None or a > last:
+            busy += b - a
+        elif b > last:
+            busy += b - last
+        last = b if last is None else max(last, b)
+    if last is None:
+        return {"step_ms": (end_us - start_us) / 1e3, "busy_ms": 0.0, "idle_ms": (end_us - start_us) / 1e3}
+    span = max(end_us, last) - min(start_us, first)
+    top = sorted(gaps, reverse=True)[:GAPS_TOP]
+    return {"step_ms": span / 1e3, "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3,
+            "idle_before_first_ms": max(first - start_us, 0.0) / 1e3, "idle_after_last_ms": max(end_us - last, 0.0) / 1e3,
+            "longest_gaps": [{"ms": g / 1e3, "at_ms": (at - min(start_us, first)) / 1e3} for g, at in top]}
+
+
 def _profile(fn, path: Path) -> dict:
     """One more (untimed) step of a system under ``torch.profiler``: its top device kernels (on CUDA)
     and its top host ops, each by total self time (name, calls, total ms, share of that side's
     profiled time), into ``path`` and returned as ``{"device": rows, "host": rows}``. The host table
-    shows where a step that leaves the device idle spends its time (launches, copies, syncs)."""
+    shows where a step that leaves the device idle spends its time (launches, copies, syncs); on
+    CUDA, ``timeline`` says when the device was idle (:func:`device_timeline`)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -202,6 +233,15 @@ def _profile(fn, path: Path) -> dict:
         tables[side] = rows
         text.append(f"# {side} self time, {total / 1e3:.1f} ms in all\n" + "".join(
             f"{r['total_ms']:10.2f} ms {100 * r['share']:5.1f}% {r['calls']:7d}  {r['name']}\n" for r in rows))
+    if cuda:
+        evs = list(prof.events())
+        host = [e.time_range for e in evs if e.device_type.name != "CUDA"]
+        tl = device_timeline([(e.time_range.start, e.time_range.end) for e in evs if e.device_type.name == "CUDA"],
+                             min(r.start for r in host), max(r.end for r in host))
+        tables["timeline"] = tl
+        text.append("# device timeline (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in tl.items() if k != "longest_gaps")
+                    + "\n# longest idle gaps (ms at ms): "
+                    + ", ".join(f"{g['ms']:.2f} at {g['at_ms']:.1f}" for g in tl.get("longest_gaps", [])) + "\n")
     path.write_text("\n".join(text))
     return tables
 

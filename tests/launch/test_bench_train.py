@@ -72,7 +72,24 @@ def test_bench_train_tiny_gpu(tmp_path, tiny_ckpt):
     prof = res["profiles"]["audio"]
     assert any("conv" in r["name"].lower() for r in prof["device"]) and prof["host"], prof
     assert res["featurizer"] == "device" and res["device"].startswith("cuda")
+    tl = prof["timeline"]
+    assert 0 < tl["busy_ms"] <= tl["step_ms"] and tl["idle_ms"] == pytest.approx(tl["step_ms"] - tl["busy_ms"])
     assert res["cuda_graphs"] is True and res["graph_replays"] > 0 and res["graph_buckets"]
+
+
+def test_device_timeline_of_overlapping_and_gapped_spans():
+    """Busy time is the union of the activities (overlaps counted once, a span inside another not at
+    all); idle is the rest of the step, before the first, between, after the last; gaps longest first."""
+    from launch.bench.train import device_timeline
+
+    spans = [(1000.0, 3000.0), (2000.0, 2500.0), (2800.0, 4000.0), (4500.0, 5000.0), (7000.0, 7100.0)]
+    tl = device_timeline(spans, start_us=0.0, end_us=8000.0)
+    assert tl["busy_ms"] == pytest.approx(3.0 + 0.5 + 0.1) and tl["step_ms"] == pytest.approx(8.0)
+    assert tl["idle_ms"] == pytest.approx(8.0 - 3.6)
+    assert tl["idle_before_first_ms"] == pytest.approx(1.0) and tl["idle_after_last_ms"] == pytest.approx(0.9)
+    assert tl["longest_gaps"] == [{"ms": pytest.approx(2.0), "at_ms": pytest.approx(5.0)},
+                                  {"ms": pytest.approx(0.5), "at_ms": pytest.approx(4.0)}]
+    assert device_timeline([], 0.0, 2000.0) == {"step_ms": 2.0, "busy_ms": 0.0, "idle_ms": 2.0}
 
 
 def test_bench_train_auto_budget_cpu(tmp_path, tiny_ckpt):
