@@ -44,7 +44,13 @@ def _refuse_nonempty(cmd: str, out: str, force: bool) -> None:
     from pathlib import Path
 
     d = Path(out)
-    if d.exists() and (not d.is_dir() or any(d.iterdir())) and not force:
+    for p in (d, *d.parents):  # a file in the way fails midway even with --force
+        if p.exists():
+            if not p.is_dir():
+                _die(f"mgrpo {cmd}: --out {d} is a file, not a directory: pass a directory" if p == d else
+                     f"mgrpo {cmd}: --out {d}: {p} is a file, not a directory: pass a directory")
+            break
+    if d.is_dir() and any(d.iterdir()) and not force:
         _die(f"mgrpo {cmd}: --out {d} exists and is not empty: choose a new directory, or pass "
              "--force to write into it (files of the same name are replaced, others stay)")
 

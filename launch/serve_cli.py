@@ -17,8 +17,10 @@ Security: the server runs in vLLM's dev mode, whose endpoints load weights and r
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -27,10 +29,13 @@ from pathlib import Path
 from launch.cli_help import doc_description
 from megatron_grpo.rollout.server import LOOPBACK_HOSTS
 
-__all__ = ["add_serve_parser", "check_bind", "run_serve", "RemoteBindRefused"]
+__all__ = ["add_serve_parser", "check_bind", "check_port", "run_serve", "RemoteBindRefused"]
 
-# vLLM options that would override our own (security-relevant) ones if passed through
-_RESERVED_VLLM_OPTIONS = ("--host", "--port", "--api-key", "--model", "--middleware")
+# vLLM options that would override our own if passed through (-> our option that sets them): the
+# security-relevant ones, and vLLM's spellings of --tp/--dp, which would skip check_serving_layout
+_RESERVED_VLLM_OPTIONS = {"--host": "--host", "--port": "--port", "--api-key": "--api-key", "--model": "--model",
+                          "--middleware": "--middleware", "--tensor-parallel-size": "--tp", "-tp": "--tp",
+                          "--data-parallel-size": "--dp", "-dp": "--dp"}
 
 
 class RemoteBindRefused(ValueError):
@@ -99,8 +104,43 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     return s
 
 
-def _reserved_in(extra: list[str]) -> list[str]:
-    return [a for a in extra for opt in _RESERVED_VLLM_OPTIONS if a == opt or a.startswith(opt + "=")]
+def _reserved_in(extra: list[str]) -> list[tuple[str, str, str]]:
+    """(the argument as given, with its value; our option; its value, or N) for each pass-through
+    argument vLLM would read as one of _RESERVED_VLLM_OPTIONS. vLLM's parser takes underscores for
+    dashes and unambiguous prefixes (argparse abbreviations), so those count too."""
+    found = []
+    for i, arg in enumerate(extra):
+        name, eq, value = arg.partition("=")
+        if name.startswith("--"):
+            name = "--" + name[2:].replace("_", "-")
+        if len(name) < 2 or name == "--":
+            continue
+        given = arg
+        if not eq:
+            value = extra[i + 1] if i + 1 < len(extra) else "N"
+            given = f"{arg} {value}" if i + 1 < len(extra) else arg
+        found += [(given, ours, value) for opt, ours in _RESERVED_VLLM_OPTIONS.items() if opt.startswith(name)]
+    return found
+
+
+def check_port(host: str, port: int) -> None:
+    """Raise ValueError for a --port vLLM could not bind on ``host`` -- out of range, or in use --
+    before vLLM starts (it would fail ~10 s in, deep in its log). The test bind sets SO_REUSEADDR as
+    vLLM's own does, so a port whose old connections linger in TIME_WAIT still counts as free."""
+    if port == 0:
+        return  # ServerSpec picks a free one
+    if not 1 <= port <= 65535:
+        raise ValueError(f"--port {port}: must be 1-65535 (or 0 for a free one)")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                raise ValueError(f"--port {port}: address already in use on {host}; pick a free port "
+                                 "or stop what is listening there") from None
+            # anything else (an address not on this machine, a privileged port): vLLM's error says it
 
 
 def resolve_dtype(dtype: str) -> str:
@@ -155,11 +195,17 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         check_bind(args.host, args.allow_remote, api_key)
         if bad := _reserved_in(extra):
-            opts = ", ".join(sorted({b.split("=")[0] for b in bad}))
-            raise ValueError(f"pass {opts} as mgrpo serve's own option, not as a vLLM pass-through argument")
+            same = sorted({ours for _, ours, _ in bad if ours in _RESERVED_VLLM_OPTIONS})
+            parts = [f"pass {ours} {value} instead of {given} (mgrpo serve's own option, checked before "
+                     "vLLM starts)" for given, ours, value in bad if ours not in _RESERVED_VLLM_OPTIONS]
+            if same:
+                parts.append(f"pass {', '.join(same)} as mgrpo serve's own option, not as a vLLM "
+                             "pass-through argument")
+            raise ValueError("; ".join(parts))
         if not Path(args.model, "config.json").exists():
             raise ValueError(f"--model {args.model!r} is not an HF checkpoint directory (no config.json)")
         check_serving_layout(args.model, args.tp, args.dp)
+        check_port(args.host, args.port)
     except ValueError as e:
         print(f"mgrpo serve: error: {e}", file=sys.stderr)
         return 2

@@ -54,7 +54,14 @@ def _load(args, cmd: str = "train", run_dir_key: str = "trainer"):
             raise ConfigKeyError(f"--resume {args.resume} {what}: pass the {run_dir_key}.run_dir of an earlier "
                                  f"`mgrpo {cmd}` (it holds config.json and checkpoints/), or start a new run "
                                  "with --config")
-        base = json.loads(saved.read_text())
+        try:
+            base = json.loads(saved.read_text())
+        except ValueError as e:
+            raise ConfigKeyError(f"{saved} is not valid JSON ({e}); it is written by `mgrpo {cmd}` at the start "
+                                 "of a run: restore it or start a new run") from None
+        if not isinstance(base, dict):
+            raise ConfigKeyError(f"{saved} does not hold a JSON object; it is written by `mgrpo {cmd}` at the "
+                                 "start of a run: restore it or start a new run")
         base.setdefault(run_dir_key, {})["run_dir"] = str(args.resume)
         return load_config(TrainConfig, None, overrides, base=base)
     return load_train_config(args.config, overrides)
@@ -116,9 +123,10 @@ def _size_local_server(cfg, rows) -> list[str]:
     return [f"serve.max_model_len={sized.max_model_len}", f"serve.max_audio_seconds={sized.max_audio_seconds}"]
 
 
-def _check_run_dir(run_dir: str, resume: bool) -> None:
-    """A new run never writes over an earlier run's checkpoints, and --resume needs one to resume."""
-    from megatron_grpo.engine.checkpoint import list_checkpoints
+def _check_run_dir(run_dir: str, resume: bool, steps: int) -> None:
+    """A new run never writes over an earlier run's checkpoints, and --resume needs one to resume
+    and steps left to train (``steps``: trainer.steps)."""
+    from megatron_grpo.engine.checkpoint import find_latest_checkpoint, list_checkpoints, read_run_meta
 
     done = list_checkpoints(run_dir)
     if done and not resume:
@@ -129,6 +137,12 @@ def _check_run_dir(run_dir: str, resume: bool) -> None:
         raise ValueError(f"--resume {run_dir}: no complete checkpoint under {Path(run_dir) / 'checkpoints'} "
                          "yet, so there is nothing to resume: start the run over without --resume (same "
                          "trainer.run_dir; its metrics.jsonl starts afresh)")
+    if resume:
+        # the checkpoint the run resumes from (its step is in the small meta file: no model is built)
+        at = int(read_run_meta(find_latest_checkpoint(run_dir, warn=False))["step"])
+        if steps <= at:
+            raise ValueError(f"{run_dir} is at step {at} (its newest checkpoint); trainer.steps={steps} leaves "
+                             f"nothing to train: pass trainer.steps greater than {at}")
 
 
 def _check_resume_layout(cfg, world_size: int) -> None:
@@ -209,7 +223,7 @@ def run_train(args: argparse.Namespace) -> int:
     nproc = cfg.parallel.nproc
     if os.environ.get("RANK", "0") == "0" and not os.environ.get(PREFLIGHT_DONE):
         try:  # fail fast, in one line, before any rank starts (once: not again in the ranks spawned below)
-            _check_run_dir(cfg.trainer.run_dir, bool(args.resume))
+            _check_run_dir(cfg.trainer.run_dir, bool(args.resume), cfg.trainer.steps)
             if args.resume:
                 _check_resume_layout(cfg, int(os.environ.get("WORLD_SIZE", nproc)))
             sized = _check_model_fits(cfg, int(os.environ.get("WORLD_SIZE", nproc)))

@@ -19,7 +19,7 @@ import torch
 
 from megatron_grpo.algo.importance import ISConfig
 from megatron_grpo.algo.losses import LossConfig
-from megatron_grpo.configtree import load_config, render_markdown
+from megatron_grpo.configtree import ConfigKeyError, load_config, render_markdown
 from megatron_grpo.data.config import DataConfig
 from megatron_grpo.engine.setup import OptimConfig, default_dtype
 from megatron_grpo.rollout.config import RolloutConfig
@@ -480,8 +480,34 @@ def serve_dtype(cfg: TrainConfig) -> str:
 def load_train_config(path: Optional[str] = None, overrides: Optional[list[str]] = None) -> TrainConfig:
     """Defaults <- YAML <- dotted overrides; errors name the key (ConfigKeyError). Without a YAML the
     defaults are the embedded job's (``TrainConfig()``), so ``mgrpo train rollout.overlap=true`` is
-    that job with one change; a YAML starts from the sections' own defaults (it is the whole config)."""
-    return load_config(TrainConfig, path, overrides, base=TrainConfig() if path is None else None)
+    that job with one change; a YAML starts from the sections' own defaults (it is the whole config).
+    A relative ``rollout.plugin`` becomes the absolute path it names (:func:`resolve_plugin_path`)."""
+    cfg = load_config(TrainConfig, path, overrides, base=TrainConfig() if path is None else None)
+    # a plugin named on the command line is relative to where the command runs, not to the YAML
+    from_yaml = path is not None and not any(o.split("=", 1)[0].strip() in ("rollout", "rollout.plugin")
+                                             for o in overrides or [])
+    cfg.rollout.plugin = resolve_plugin_path(cfg.rollout.plugin, Path(path).parent if from_yaml else None)
+    return cfg
+
+
+def resolve_plugin_path(plugin: Optional[str], config_dir: Optional[Path] = None) -> Optional[str]:
+    """The absolute path of a relative ``rollout.plugin``: under the current directory, else under
+    ``config_dir`` (the directory of the YAML that named it), so a config file can name a plugin
+    beside it and run from any directory (config.json then holds the absolute path, for --resume).
+    ConfigKeyError listing the paths tried when neither holds it; an absolute path is kept as it
+    is (the plugin loader reports one that does not exist)."""
+    if plugin is None or os.path.isabs(plugin):
+        return plugin
+    tried = [os.path.abspath(plugin)]
+    if config_dir is not None and os.path.abspath(Path(config_dir) / plugin) not in tried:
+        tried.append(os.path.abspath(Path(config_dir) / plugin))
+    for p in tried:
+        if os.path.exists(p):
+            return p
+    rule = ("a relative path is resolved against the current directory, then the config file's directory"
+            if config_dir is not None else "a relative path given on the command line is resolved against the "
+            "current directory")
+    raise ConfigKeyError(f"plugin file not found: {plugin} (rollout.plugin; tried {' and '.join(tried)}: {rule})")
 
 
 if __name__ == "__main__":

@@ -254,13 +254,29 @@ def _plot(res: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
 def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
 
 
 def _cmd(args: argparse.Namespace) -> int:
-    run_bench(args.out, samples=args.samples, steps=args.steps, dp_sizes=_ints(args.dp), budget=args.budget,
-              batch_sizes=_ints(args.batch_sizes), pad_multiple=args.pad_multiple, seed=args.seed)
+    run_bench(args.out, samples=args.samples, steps=args.steps, dp_sizes=args.dp, budget=args.budget,
+              batch_sizes=args.batch_sizes, pad_multiple=args.pad_multiple, seed=args.seed)
     return 0
 
 
@@ -268,15 +284,15 @@ def add_parser(bsub) -> argparse.ArgumentParser:
     s = bsub.add_parser("packing", help="padding fraction and DP balance: our packer vs padded batches (CPU)",
                         description=doc_description(__doc__))
     s.add_argument("--out", default="bench_results/packing", help="results directory (JSON, PNG)")
-    s.add_argument("--samples", type=int, default=DEFAULT_SAMPLES,
+    s.add_argument("--samples", type=_positive, default=DEFAULT_SAMPLES,
                    help=f"trajectories per step (default {DEFAULT_SAMPLES}: 32 prompts x 8 generations)")
-    s.add_argument("--steps", type=int, default=20, help="steps planned per DP size (default 20)")
-    s.add_argument("--dp", default=",".join(map(str, DEFAULT_DP)), help="comma-separated DP sizes")
-    s.add_argument("--budget", type=int, default=DEFAULT_BUDGET,
+    s.add_argument("--steps", type=_positive, default=20, help="steps planned per DP size (default 20)")
+    s.add_argument("--dp", type=_ints, default=",".join(map(str, DEFAULT_DP)), help="comma-separated DP sizes")
+    s.add_argument("--budget", type=_positive, default=DEFAULT_BUDGET,
                    help=f"our micro-batch token budget (default {DEFAULT_BUDGET}, the 30B recipe's)")
-    s.add_argument("--batch-sizes", default=",".join(map(str, DEFAULT_BATCH_SIZES)),
+    s.add_argument("--batch-sizes", type=_ints, default=",".join(map(str, DEFAULT_BATCH_SIZES)),
                    help="padded batch sizes to compare (default 1,4,8)")
-    s.add_argument("--pad-multiple", type=int, default=2,
+    s.add_argument("--pad-multiple", type=_positive, default=2,
                    help="our micro-batches' T rounds up to this (the TP size; default 2, the 30B recipe's TP)")
     s.add_argument("--seed", type=int, default=0, help="seed of the sampled lengths (default 0)")
     s.set_defaults(func=_cmd)

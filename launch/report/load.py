@@ -139,11 +139,13 @@ def select_steps(inputs: RunInputs, spec: Optional[str]) -> list[int]:
         raise ReportError(f"--steps {spec!r}: use N, A:B, A: or :B (step numbers, B included)")
     lo = int(m.group(1)) if m.group(1) else 0
     hi = int(m.group(3)) if m.group(3) else (lo if not m.group(2) else 1 << 62)
+    if lo > hi:
+        raise ReportError(f"--steps {spec.strip()}: the range is reversed; pass {hi}:{lo}")
     chosen = [s for s in have if lo <= s <= hi]
     if not chosen:
-        what = f"step {lo} is" if lo == hi else f"no step in {spec} is"
+        what = f"step {lo} is not" if not m.group(2) else f"no step in {spec.strip()} is"
         dirs = ", ".join(str(d) for d in inputs.dirs)
-        raise ReportError(f"{what} not recorded in {dirs} (recorded: {_ranges(have)}): choose --steps among those")
+        raise ReportError(f"{what} recorded in {dirs} (recorded: {_ranges(have)}): choose --steps among those")
     return chosen
 
 

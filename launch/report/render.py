@@ -21,18 +21,40 @@ def _write(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
-def _tokenizer(model_dir, manifest_path: Path):
+def _tokenizer(model_dir, manifest_path: Path, given: bool):
+    """``given``: ``model_dir`` is the user's --tokenizer, not the manifest's (the error blames that)."""
     from megatron_grpo.notices import quiet_known_notices
 
     from .tokens import load_tokenizer
 
+    fix = "pass the checkpoint directory holding the tokenizer files"
+    if given and not Path(model_dir).is_dir():
+        # else transformers reads the path as a hub repo id and its error names neither
+        what = " is not a directory" if Path(model_dir).exists() else ": no such directory"
+        raise ReportError(f"--tokenizer {model_dir}{what} ({fix})")
     quiet_known_notices()
     try:
         return load_tokenizer(model_dir)
     except Exception as e:  # noqa: BLE001 - any failure to read it has the same fix
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if given:
+            raise ReportError(f"--tokenizer {model_dir}: cannot read a tokenizer there ({first}): {fix}") from None
         raise ReportError(f"cannot read the tokenizer of {model_dir} (model_dir in {manifest_path}: {first}): "
                           "pass --tokenizer DIR (the run's model.hf_dir)") from None
+
+
+def _out_dir(out: Optional[str], run_dir: Path) -> tuple[Path, str]:
+    """The output directory and how errors name it, refused while a file stands in its way (checked
+    before the tokenizer loads; created only after it did)."""
+    d = Path(out) if out else run_dir / "report"
+    name = f"--out {d}" if out else f"{d} (the default --out)"
+    for p in (d, *d.parents):
+        if p.exists():
+            if not p.is_dir():
+                where = "" if p == d else f": {p}"
+                raise ReportError(f"{name}{where} is a file: pass {'a directory' if out else '--out DIR'}")
+            break
+    return d, name
 
 
 def _nav(steps: list[int], k: int) -> str:
@@ -63,15 +85,18 @@ def build_report(run_dir, out: Optional[str] = None, steps: Optional[str] = None
     t0 = time.perf_counter()
     inputs = find_inputs(run_dir)
     chosen = select_steps(inputs, steps)
+    out_dir, out_name = _out_dir(out, inputs.run_dir)
     first = inputs.recordings[chosen[0]]
     man_path = first.dir / "manifest.json"
-    tok = _tokenizer(tokenizer or first.manifest.get("model_dir"), man_path)
+    tok = _tokenizer(tokenizer or first.manifest.get("model_dir"), man_path, given=bool(tokenizer))
     detok = Detokenizer(tok)
     audio_id = (first.manifest.get("special_token_ids") or {}).get("audio_token_id")
     if audio_id is None:
         audio_id = detok.token_id(AUDIO_PAD)
-    out_dir = Path(out) if out else inputs.run_dir / "report"
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ReportError(f"{out_name}: cannot create it ({e.strerror}): pass --out DIR you can write to") from None
     clips_out = ClipWriter(out_dir, (first.manifest.get("audio") or {}).get("sampling_rate", 16000))
     pages: dict[int, str] = {}
     try:

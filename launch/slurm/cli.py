@@ -13,6 +13,8 @@ import argparse
 import shlex
 import sys
 
+import yaml
+
 from launch.cli_help import doc_description
 
 __all__ = ["add_launch_parser", "run_launch_slurm"]
@@ -48,22 +50,45 @@ def add_launch_parser(sub) -> argparse.ArgumentParser:
 
 
 def _load_config(args):
+    """The run's config, its layout checked on the rank count the launch gives: on GPU nodes that is
+    trainer nodes x GPUs per node, so an explicit parallel.nproc override that differs is refused
+    (the launch would replace it)."""
     from megatron_grpo.config import TrainConfig, load_train_config
-    from megatron_grpo.configtree import load_config
+    from megatron_grpo.configtree import ConfigKeyError, load_config
 
     from launch.slurm.render import LaunchError
 
     if bool(args.config) == bool(args.recipe):
         raise LaunchError("give exactly one of --config FILE and --recipe NAME")
+    overrides = list(args.overrides)
     if args.config:
-        return load_train_config(args.config, list(args.overrides))
-    from launch.recipes import get_recipe
+        def load(extra):
+            return load_train_config(args.config, overrides + extra)
+    else:
+        from launch.recipes import get_recipe
 
+        try:
+            base = get_recipe(args.recipe)
+        except KeyError as e:
+            raise LaunchError(e.args[0]) from None
+
+        def load(extra):
+            return load_config(TrainConfig, None, overrides + extra, base=base)
+    # launch.* first, under a layout any rank count fits: the real one is checked below on the real count
+    la = load(["parallel.nproc=1", "parallel.tp=1", "parallel.pp=1", "parallel.ep=1", "parallel.etp=null"]).launch
+    n = args.trainer_nodes if args.trainer_nodes is not None else la.trainer_nodes
+    g = args.gpus_per_node if args.gpus_per_node is not None else la.gpus_per_node
+    if n is None or g is None or n < 1 or g < 1:
+        return load([])  # CPU nodes run parallel.nproc ranks; resolve_plan names missing or bad counts
+    given = [o.split("=", 1)[1].strip() for o in overrides if o.split("=", 1)[0].strip() == "parallel.nproc"]
+    if given and yaml.safe_load(given[-1]) != n * g:
+        raise LaunchError(f"parallel.nproc={given[-1]}: under mgrpo launch slurm the rank count is trainer nodes x "
+                          f"GPUs per node = {n} x {g} = {n * g}; drop the override (or change --trainer-nodes / "
+                          "--gpus-per-node)")
     try:
-        base = get_recipe(args.recipe)
-    except KeyError as e:
-        raise LaunchError(e.args[0]) from None
-    return load_config(TrainConfig, None, list(args.overrides), base=base)
+        return load([f"parallel.nproc={n * g}"])
+    except ConfigKeyError as e:  # only the layout differs from the load above
+        raise LaunchError(f"{n} trainer node(s) x {g} rank(s) = {n * g} ranks: {e}") from None
 
 
 def run_launch_slurm(args: argparse.Namespace) -> int:

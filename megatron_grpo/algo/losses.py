@@ -111,8 +111,9 @@ class LossConfig:
         if self.variant == "dr_grpo":
             if self.max_response_len is None or int(self.max_response_len) != self.max_response_len \
                     or self.max_response_len < 1:
-                raise ValueError("LossConfig(variant='dr_grpo') needs max_response_len, a positive int "
-                                 f"(the generation budget in tokens), got {self.max_response_len!r}")
+                raise ValueError("loss.variant=dr_grpo needs loss.max_response_len=N, a positive int: the "
+                                 "constant that normalises the token sum (the generation budget in tokens), "
+                                 f"got {self.max_response_len!r}")
 
     @property
     def aggregation(self) -> str:

@@ -56,6 +56,8 @@ __all__ = ["PromptRow", "PromptDataset", "SkippedRow", "DataIterator", "read_jso
 RESERVED_KEYS = ("messages", "audios", "tools")
 """Row keys the reader consumes; every other key is passed through in ``PromptRow.columns``."""
 _MAX_LOGGED_SKIPS = 20
+_NAMED_SKIPS = 3
+"""Bad rows a file without any good row names in its error, line and reason each."""
 SPAN_SLACK_S = 1.0
 """How far a ``ground_truth`` span may end past the row's longest recording: spans are written in
 whole seconds, and an mp3 header's length is an estimate."""
@@ -190,6 +192,8 @@ class SkippedRow:
     line: int
     kind: str
     message: str
+    reason: str = ""
+    """The message's reason alone (no file, line or fix)."""
 
 
 @dataclass
@@ -305,7 +309,7 @@ def read_jsonl(path, cfg: Optional[DataConfig] = None, *, log_skips: bool = True
         except DataError as e:
             if not cfg.skip_bad_rows:
                 raise
-            ds.skipped.append(SkippedRow(line_no, e.kind, str(e)))
+            ds.skipped.append(SkippedRow(line_no, e.kind, str(e), e.reason))
             if log_skips and len(ds.skipped) <= _MAX_LOGGED_SKIPS:
                 log.warning("skipping bad row: %s", e)
             continue
@@ -316,8 +320,12 @@ def read_jsonl(path, cfg: Optional[DataConfig] = None, *, log_skips: bool = True
     if ds.num_lines == 0:
         raise DataError(f"{spath}: the file has no rows — write one JSON object per line",
                         path=spath, kind="empty file", reason="the file has no rows")
-    if not ds.rows:
-        raise DataError(f"{spath}: no usable rows ({ds.summary()}) — fix the rows reported above",
+    if not ds.rows:  # the rows themselves, as the check before a run logs none
+        named = "; ".join(f"line {s.line}: {s.reason}" for s in ds.skipped[:_NAMED_SKIPS])
+        more = len(ds.skipped) - _NAMED_SKIPS
+        raise DataError(f"{spath}: no usable rows ({ds.summary()}): {named}"
+                        + (f"; and {more} more" if more > 0 else "")
+                        + " — fix these rows (data.skip_bad_rows=false stops at the first one and says how)",
                         path=spath, kind="no usable rows", reason=ds.summary())
     if ds.skipped and log_skips:
         more = len(ds.skipped) - _MAX_LOGGED_SKIPS

@@ -119,7 +119,9 @@ class RolloutConfig:
     # ------------------------------------------------------------------ tools, plugins, rewards
     plugin: Optional[str] = None
     """A Python file with reward functions, tools and a multi-turn policy (docs/rollout.md,
-    "Plugin API"); its registrations add to (and may replace) the built-ins."""
+    "Plugin API"); its registrations add to (and may replace) the built-ins. A relative path is
+    resolved against the current directory, then (when a --config file names it) against that
+    file's directory; the run keeps the absolute path."""
     policy: Optional[str] = None
     """Name of the multi-turn policy: one the plugin registered, or "hermes" (built-in: runs the
     `<tool_call>` calls of a turn, ends on a turn without one).  None: the plugin's policy if it

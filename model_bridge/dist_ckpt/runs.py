@@ -23,7 +23,7 @@ from typing import Optional
 
 __all__ = ["CHECKPOINT_FORMAT", "META_FILE", "LATEST_FILE", "checkpoint_root", "step_dirname",
            "list_checkpoints", "find_latest_checkpoint", "read_run_meta", "checkpoint_problem",
-           "CheckpointFilesError"]
+           "CheckpointFilesError", "CheckpointWarning"]
 
 log = logging.getLogger("megatron_grpo.engine.checkpoint")  # the trainer's checkpoint log, where users look
 
@@ -152,6 +152,15 @@ def _find_latest(run_dir: os.PathLike | str, *, warn: bool = True) -> Optional[P
     return good[-1][1] if good else None
 
 
+class CheckpointWarning(RuntimeWarning):
+    """What warn_checkpoint says, for callers that record warnings (``warnings.catch_warnings``)."""
+
+
+# the log line is the message users see; the warning, ignored unless a caller records warnings,
+# would print it a second time, with a source line
+warnings.filterwarnings("ignore", category=CheckpointWarning)
+
+
 def warn_checkpoint(msg: str) -> None:
     log.warning(msg)
-    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    warnings.warn(msg, CheckpointWarning, stacklevel=3)

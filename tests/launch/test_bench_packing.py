@@ -73,3 +73,21 @@ def test_ours_pads_less_and_balances_better_than_padded_batches(tmp_path):
         assert step["microbatches"] <= -(-sum(lengths) // 8192) + 1
     saved = json.loads((tmp_path / "bench_packing.json").read_text())
     assert saved["config"]["length_source"] == "launch.bench.layers.DEFAULT_LENGTHS"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--dp", "abc"], "argument --dp: expected comma-separated positive integers, got 'abc'"),
+    (["--dp", "0"], "argument --dp: expected comma-separated positive integers, got '0'"),
+    (["--dp", ","], "argument --dp: expected comma-separated positive integers, got ','"),
+    (["--batch-sizes", "4,x"], "argument --batch-sizes: expected comma-separated positive integers, got '4,x'"),
+    (["--steps", "0"], "argument --steps: expected a positive integer, got '0'"),
+    (["--samples", "-3"], "argument --samples: expected a positive integer, got '-3'"),
+    (["--budget", "0"], "argument --budget: expected a positive integer, got '0'"),
+    (["--pad-multiple", "0"], "argument --pad-multiple: expected a positive integer, got '0'"),
+])
+def test_cli_rejects_bad_sizes_naming_the_flag(argv, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        bp.main(["--out", str(tmp_path / "o"), *argv])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == f"mgrpo bench packing: error: {message}"
+    assert not (tmp_path / "o").exists()

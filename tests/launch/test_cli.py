@@ -1,9 +1,11 @@
-"""`mgrpo`'s entry point: Ctrl-C and megatron-core's import-time fallback notes."""
+"""`mgrpo`'s entry point: Ctrl-C, megatron-core's import-time fallback notes, make-tiny/make-data's --out."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+
+import pytest
 
 import launch.cli as cli
 
@@ -34,3 +36,16 @@ def test_fallback_notes_are_silenced_here_and_in_child_processes(monkeypatch):
     assert p.returncode == 0
     assert "another UserWarning" in p.stderr
     assert "not installed" not in p.stderr
+
+
+@pytest.mark.parametrize("cmd", ["make-tiny", "make-data"])
+@pytest.mark.parametrize("force", [[], ["--force"]])
+def test_out_that_is_a_file_is_refused_before_any_work(cmd, force, tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("keep")
+    for out, message in ((afile, f"--out {afile} is a file, not a directory: pass a directory"),
+                         (afile / "sub", f"--out {afile / 'sub'}: {afile} is a file, not a directory: pass a directory")):
+        with pytest.raises(SystemExit) as e:
+            cli.main([cmd, "--out", str(out), *force])
+        assert e.value.code == 2 and capsys.readouterr().err == f"mgrpo {cmd}: {message}\n"
+    assert afile.read_text() == "keep" and sorted(tmp_path.iterdir()) == [afile]

@@ -259,6 +259,42 @@ def test_bad_inputs_are_one_line_naming_the_file_and_the_fix(recorded, tmp_path,
         "record that step again, or leave it out with --steps")
 
 
+def test_bad_arguments_name_the_flag_and_the_fix(recorded, tmp_path, capsys):
+    run, rec = recorded["run"], recorded["rec"]
+    assert _one_line_error(capsys, run, "--steps", "3:4") == (
+        f"mgrpo report: no step in 3:4 is recorded in {rec}, {run / 'trajectories'} (recorded: 1-2): "
+        "choose --steps among those")
+    assert _one_line_error(capsys, run, "--steps", "5:2") == \
+        "mgrpo report: --steps 5:2: the range is reversed; pass 2:5"
+
+    out = tmp_path / "o"
+    fix = "(pass the checkpoint directory holding the tokenizer files)"
+    assert _one_line_error(capsys, run, "--steps", "1", "--out", out, "--tokenizer", tmp_path / "nope") == \
+        f"mgrpo report: --tokenizer {tmp_path / 'nope'}: no such directory {fix}"
+    afile = tmp_path / "afile"
+    afile.write_text("keep")
+    assert _one_line_error(capsys, run, "--steps", "1", "--out", out, "--tokenizer", afile) == \
+        f"mgrpo report: --tokenizer {afile} is not a directory {fix}"
+    assert not out.exists()  # refused before anything is written
+    moved = tmp_path / "moved"  # a recording whose model_dir is gone: the manifest is blamed, --tokenizer is the fix
+    shutil.copytree(rec, moved)
+    man = json.loads((moved / "manifest.json").read_text())
+    man["model_dir"] = str(tmp_path / "gone")
+    (moved / "manifest.json").write_text(json.dumps(man))
+    err = _one_line_error(capsys, moved, "--steps", "1", "--out", out)
+    assert err.startswith(f"mgrpo report: cannot read the tokenizer of {tmp_path / 'gone'} (model_dir in "
+                          f"{moved / 'manifest.json'}: ") and err.endswith("): pass --tokenizer DIR (the run's model.hf_dir)")
+
+    assert _one_line_error(capsys, run, "--steps", "1", "--out", afile) == \
+        f"mgrpo report: --out {afile} is a file: pass a directory"
+    assert _one_line_error(capsys, run, "--steps", "1", "--out", afile / "sub") == \
+        f"mgrpo report: --out {afile / 'sub'}: {afile} is a file: pass a directory"
+    assert afile.read_text() == "keep"
+    (moved / "report").write_text("")
+    assert _one_line_error(capsys, moved, "--steps", "1") == \
+        f"mgrpo report: {moved / 'report'} (the default --out) is a file: pass --out DIR"
+
+
 def test_pick_samples_and_single_rank_gather():
     from types import SimpleNamespace
 

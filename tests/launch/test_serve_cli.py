@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from launch.cli import build_parser, main
-from launch.serve_cli import RemoteBindRefused, check_bind
+from launch.serve_cli import RemoteBindRefused, check_bind, check_port
 from megatron_grpo.rollout.server import (
     AUTH_MIDDLEWARE,
     DEFAULT_WORKER_EXTENSION,
@@ -69,6 +69,50 @@ def test_security_options_cannot_be_smuggled_to_vllm(capsys, model_dir):
     assert rc == 2 and "--host" in err
     rc, err = _serve(capsys, "--model", str(model_dir), "--", "--middleware", "evil.Mw")
     assert rc == 2 and "--middleware" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tensor-parallel-size", "2"], "pass --tp 2 instead of --tensor-parallel-size 2"),
+    (["--", "--tensor_parallel_size=2"], "pass --tp 2 instead of --tensor_parallel_size=2"),
+    (["--", "-tp", "2"], "pass --tp 2 instead of -tp 2"),
+    (["--", "--data-parallel-size=4"], "pass --dp 4 instead of --data-parallel-size=4"),
+    (["--", "-dp", "4"], "pass --dp 4 instead of -dp 4"),
+    (["--", "--data-par", "4"], "pass --dp 4 instead of --data-par 4"),  # vLLM takes abbreviations
+])
+def test_vllm_spellings_of_tp_and_dp_are_refused(capsys, model_dir, argv, message):
+    """vLLM's own --tensor-parallel-size / --data-parallel-size would override --tp / --dp after
+    serve checked those against the checkpoint."""
+    rc, err = _serve(capsys, "--model", str(model_dir), *argv)
+    assert rc == 2
+    assert err.strip() == f"mgrpo serve: error: {message} (mgrpo serve's own option, checked before vLLM starts)"
+
+
+def test_abbreviated_security_option_is_refused(capsys, model_dir):
+    rc, err = _serve(capsys, "--model", str(model_dir), "--", "--hos", "0.0.0.0")
+    assert rc == 2
+    assert err.strip() == ("mgrpo serve: error: pass --host as mgrpo serve's own option, "
+                           "not as a vLLM pass-through argument")
+
+
+def test_port_out_of_range_or_in_use_is_refused_before_vllm(capsys, model_dir):
+    import socket
+
+    for port in (99999, -1):
+        with pytest.raises(ValueError) as e:
+            check_port("127.0.0.1", port)
+        assert str(e.value) == f"--port {port}: must be 1-65535 (or 0 for a free one)"
+    check_port("127.0.0.1", 0)  # picked later
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(ValueError) as e:
+            check_port("127.0.0.1", port)
+        assert str(e.value) == (f"--port {port}: address already in use on 127.0.0.1; pick a free port "
+                                "or stop what is listening there")
+        rc, err = _serve(capsys, "--model", str(model_dir), "--port", str(port))
+        assert rc == 2 and err.strip() == f"mgrpo serve: error: {e.value}"
+    check_port("127.0.0.1", port)  # free again
 
 
 def test_missing_checkpoint_is_an_error(capsys, tmp_path):

@@ -54,6 +54,36 @@ def test_30b_example_loads_with_its_layout():
     assert (p.nproc, p.tp, p.ep, p.pp, cfg.rollout.max_turns, cfg.rollout.num_generations) == (32, 2, 8, 2, 5, 8)
 
 
+def test_30b_example_finds_its_plugin_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_train_config(REPO / "examples" / "qwen3_omni_30b_a3b_audio_agent.yaml")
+    assert cfg.rollout.plugin == str(REPO / "examples" / "plugins" / "audio_agent.py")
+
+
+def test_relative_plugin_is_found_in_the_current_then_the_config_files_directory(tmp_path, monkeypatch):
+    tmp_path = tmp_path.resolve()  # as os.getcwd() gives it
+    conf, here = tmp_path / "conf", tmp_path / "here"
+    for d in (conf, here):
+        (d / "plugins").mkdir(parents=True)
+    (conf / "run.yaml").write_text("rollout:\n  plugin: plugins/p.py\n")
+    (conf / "plugins" / "p.py").write_text("")
+    monkeypatch.chdir(here)
+    assert load_train_config(conf / "run.yaml").rollout.plugin == str(conf / "plugins" / "p.py")
+    (here / "plugins" / "p.py").write_text("")  # the current directory comes first
+    assert load_train_config(conf / "run.yaml").rollout.plugin == str(here / "plugins" / "p.py")
+    assert load_train_config(None, ["rollout.plugin=plugins/p.py"]).rollout.plugin == str(here / "plugins" / "p.py")
+    with pytest.raises(ConfigKeyError) as ei:
+        load_train_config(conf / "run.yaml", ["rollout.plugin=plugins/q.py"])  # the command line's: here only
+    assert str(ei.value) == (f"plugin file not found: plugins/q.py (rollout.plugin; tried {here / 'plugins' / 'q.py'}: "
+                             "a relative path given on the command line is resolved against the current directory)")
+    (conf / "run.yaml").write_text("rollout:\n  plugin: plugins/q.py\n")
+    with pytest.raises(ConfigKeyError) as ei:
+        load_train_config(conf / "run.yaml")
+    assert str(ei.value) == (f"plugin file not found: plugins/q.py (rollout.plugin; tried {here / 'plugins' / 'q.py'} "
+                             f"and {conf / 'plugins' / 'q.py'}: a relative path is resolved against the current "
+                             "directory, then the config file's directory)")
+
+
 def test_cross_section_checks_name_the_keys():
     with pytest.raises(ConfigKeyError, match=r"parallel.nproc=3 is not a multiple of tp\*pp=2"):
         load_train_config(None, ["parallel.nproc=3"])

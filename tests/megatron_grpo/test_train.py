@@ -100,6 +100,15 @@ def test_yaml_syntax_error_and_config_with_resume_are_one_line(mgrpo_inproc, tmp
         r = mgrpo_inproc("train", "--resume", str(where))
         assert r.returncode == 2
         assert r.stderr.strip().splitlines() == [f"mgrpo train: config error: --resume {where} {what}: {fix}"]
+    saved = tmp_path / "config.json"
+    for text, what in (("", "is not valid JSON (Expecting value: line 1 column 1 (char 0))"),
+                       ("[]", "does not hold a JSON object")):
+        saved.write_text(text)
+        r = mgrpo_inproc("train", "--resume", str(tmp_path))
+        assert r.returncode == 2
+        assert r.stderr.strip().splitlines() == [
+            f"mgrpo train: config error: {saved} {what}; it is written by `mgrpo train` at the start of a run: "
+            "restore it or start a new run"]
 
 
 def test_a_new_run_never_writes_over_checkpoints_and_resume_needs_one(mgrpo_inproc, tmp_path):
@@ -124,6 +133,27 @@ def test_a_new_run_never_writes_over_checkpoints_and_resume_needs_one(mgrpo_inpr
         f"step_00000010): continue it with `mgrpo train --resume {run}`, or start a new run in another "
         "trainer.run_dir (or remove that directory)")
     assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.json"]  # nothing touched
+
+
+def test_resume_without_steps_left_fails_before_anything_starts_or_is_written(mgrpo_inproc, tmp_path):
+    from launch.train_cli import _check_run_dir
+    from megatron_grpo.engine.checkpoint import CHECKPOINT_FORMAT, META_FILE
+
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step_00000020"
+    step.mkdir(parents=True)
+    (step / META_FILE).write_text(json.dumps({"format": CHECKPOINT_FORMAT, "step": 20}))
+    saved = json.dumps({"trainer": {"run_dir": str(run), "steps": 20}, "model": {"hf_dir": str(tmp_path / "model")}})
+    (run / "config.json").write_text(saved)
+    for steps in (2, 20):
+        r = mgrpo_inproc("train", "--resume", str(run), f"trainer.steps={steps}")
+        assert r.returncode == 2
+        assert r.stderr.strip().splitlines() == [
+            f"mgrpo train: config error: {run} is at step 20 (its newest checkpoint); trainer.steps={steps} leaves "
+            "nothing to train: pass trainer.steps greater than 20"]
+    assert (run / "config.json").read_text() == saved  # nothing written, no server started
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.json"]
+    _check_run_dir(str(run), True, 21)  # one step left: fine
 
 
 def test_bad_data_row_fails_before_any_rank_or_server_starts(mgrpo_inproc, tmp_path):

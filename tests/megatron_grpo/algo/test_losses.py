@@ -294,6 +294,10 @@ def test_config_checks():
     for kw in bad:
         with pytest.raises(ValueError):
             LossConfig(**kw)
+    with pytest.raises(ValueError) as ei:  # named as the user types it: `mgrpo train loss.variant=dr_grpo`
+        LossConfig(variant="dr_grpo")
+    assert str(ei.value) == ("loss.variant=dr_grpo needs loss.max_response_len=N, a positive int: the constant "
+                             "that normalises the token sum (the generation budget in tokens), got None")
 
 
 def test_call_checks():

@@ -242,10 +242,19 @@ def test_summary_example_and_no_usable_rows(d):
               + [row()] * 197)
     ds = read_jsonl(p, DataConfig(skip_bad_rows=True))
     assert ds.summary() == "skipped 3 of 200 rows: 2 missing audio, 1 malformed JSON"
+    # the check before a run logs no skipped row: the error names the first few itself
     p = write(d, [row(audios=["audio/nope.wav"]), "{oops"], name="allbad.jsonl")
     e = read_err(p, skip_bad_rows=True)
-    assert str(e) == (f"{p}: no usable rows (skipped 2 of 2 rows: 1 malformed JSON, 1 missing audio) — "
-                      "fix the rows reported above")
+    missing = f"audio file not found: 'audio/nope.wav' (looked at {d / 'audio' / 'nope.wav'})"
+    bad_json = "not valid JSON (Expecting property name enclosed in double quotes at column 2)"
+    fix = "fix these rows (data.skip_bad_rows=false stops at the first one and says how)"
+    assert str(e) == (f"{p}: no usable rows (skipped 2 of 2 rows: 1 malformed JSON, 1 missing audio): "
+                      f"line 1: {missing}; line 2: {bad_json} — {fix}")
+    p = write(d, [row(audios=["audio/nope.wav"]), "{oops", "", "{oops", "{oops"], name="allbad5.jsonl")
+    with pytest.raises(DataError) as ei:
+        read_jsonl(p, DataConfig(skip_bad_rows=True), log_skips=False)
+    assert str(ei.value) == (f"{p}: no usable rows (skipped 4 of 4 rows: 3 malformed JSON, 1 missing audio): "
+                             f"line 1: {missing}; line 2: {bad_json}; line 4: {bad_json}; and 1 more — {fix}")
     p = write(d, ["", "  "], name="blank.jsonl")
     assert str(read_err(p)) == f"{p}: the file has no rows — write one JSON object per line"
     assert str(read_err(d / "nope.jsonl")) == (f"{d / 'nope.jsonl'}: file not found — check the path "
