@@ -6,7 +6,7 @@ import os
 import sys
 from pathlib import Path
 
-from launch.train_cli import PREFLIGHT_DONE, _load, _positive_int, spawn_ranks
+from launch.train_cli import PREFLIGHT_DONE, _load, _positive_int, check_steps_left, spawn_ranks
 from megatron_grpo.notices import quiet_known_notices
 
 
@@ -42,6 +42,8 @@ def _preflight(cfg, resume: bool) -> list[str]:
     if resume and not done:
         raise ValueError(f"--resume {run_dir}: no complete checkpoint under {Path(run_dir) / 'checkpoints'} yet: "
                          "start the run over without --resume")
+    if resume:
+        check_steps_left(run_dir, cfg.sft.steps, "sft.steps")
     ensure_sft_inputs(cfg)
     p = cfg.parallel
     check_layout(read_omni_config(cfg.model.hf_dir), ParallelLayout(tp=p.tp, ep=p.ep, etp=p.etp, pp=p.pp),

@@ -126,7 +126,7 @@ def _size_local_server(cfg, rows) -> list[str]:
 def _check_run_dir(run_dir: str, resume: bool, steps: int) -> None:
     """A new run never writes over an earlier run's checkpoints, and --resume needs one to resume
     and steps left to train (``steps``: trainer.steps)."""
-    from megatron_grpo.engine.checkpoint import find_latest_checkpoint, list_checkpoints, read_run_meta
+    from megatron_grpo.engine.checkpoint import list_checkpoints
 
     done = list_checkpoints(run_dir)
     if done and not resume:
@@ -138,11 +138,18 @@ def _check_run_dir(run_dir: str, resume: bool, steps: int) -> None:
                          "yet, so there is nothing to resume: start the run over without --resume (same "
                          "trainer.run_dir; its metrics.jsonl starts afresh)")
     if resume:
-        # the checkpoint the run resumes from (its step is in the small meta file: no model is built)
-        at = int(read_run_meta(find_latest_checkpoint(run_dir, warn=False))["step"])
-        if steps <= at:
-            raise ValueError(f"{run_dir} is at step {at} (its newest checkpoint); trainer.steps={steps} leaves "
-                             f"nothing to train: pass trainer.steps greater than {at}")
+        check_steps_left(run_dir, steps, "trainer.steps")
+
+
+def check_steps_left(run_dir: str, steps: int, key: str) -> None:
+    """A resumed run must have steps left: ``steps`` (the config's ``key``) above the step of the
+    checkpoint it resumes from (read from its small meta file: no model is built)."""
+    from megatron_grpo.engine.checkpoint import find_latest_checkpoint, read_run_meta
+
+    at = int(read_run_meta(find_latest_checkpoint(run_dir, warn=False))["step"])
+    if steps <= at:
+        raise ValueError(f"{run_dir} is at step {at} (its newest checkpoint); {key}={steps} leaves nothing to "
+                         f"train: pass {key} greater than {at}")
 
 
 def _check_resume_layout(cfg, world_size: int) -> None:

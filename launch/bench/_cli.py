@@ -25,3 +25,14 @@ def pyplot():
     except Exception:  # noqa: BLE001 - no matplotlib: JSON only
         return None
     return plt
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type=`` for a count: the message names the value (argparse adds the flag)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from launch.cli_help import doc_description
+from launch.bench._cli import positive_int
 
 __all__ = ["run_bench", "add_parser", "main"]
 
@@ -105,25 +106,15 @@ def _cmd(args) -> int:
     return 0
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def add_parser(bsub) -> argparse.ArgumentParser:
     s = bsub.add_parser("audio_front", help="the audio tower's conv front-end, fused Triton passes vs unfused",
                         description=doc_description(__doc__))
-    s.add_argument("--chunks", type=_positive, default=3850, help="100-frame chunks per step (default 3850: "
+    s.add_argument("--chunks", type=positive_int, default=3850, help="100-frame chunks per step (default 3850: "
                                                                  "bench train's distinct audio at 64 samples)")
-    s.add_argument("--part", type=_positive, default=500, help="chunks per call (the tower's conv_chunksize, 500)")
-    s.add_argument("--channels", type=_positive, default=480, help="conv channels (default 480, Qwen3-Omni's)")
-    s.add_argument("--mels", type=_positive, default=128, help="mel bins (default 128)")
-    s.add_argument("--iters", type=_positive, default=3, help="timed rounds per path, medians reported (default 3)")
+    s.add_argument("--part", type=positive_int, default=500, help="chunks per call (the tower's conv_chunksize, 500)")
+    s.add_argument("--channels", type=positive_int, default=480, help="conv channels (default 480, Qwen3-Omni's)")
+    s.add_argument("--mels", type=positive_int, default=128, help="mel bins (default 128)")
+    s.add_argument("--iters", type=positive_int, default=3, help="timed rounds per path, medians reported (default 3)")
     s.add_argument("--seed", type=int, default=0, help="seed of the inputs and weights")
     s.add_argument("--device", default=None, help="cuda (default when available) or cpu")
     s.add_argument("--out", default="bench_results/audio_front", help="results directory (JSON)")

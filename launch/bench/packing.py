@@ -48,7 +48,7 @@ import sys
 import time
 from pathlib import Path
 
-from launch.bench._cli import bench_main, pyplot
+from launch.bench._cli import bench_main, positive_int, pyplot
 from launch.bench.layers import DEFAULT_LENGTHS
 from launch.cli_help import doc_description
 
@@ -254,16 +254,6 @@ def _plot(res: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def _ints(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
@@ -284,15 +274,15 @@ def add_parser(bsub) -> argparse.ArgumentParser:
     s = bsub.add_parser("packing", help="padding fraction and DP balance: our packer vs padded batches (CPU)",
                         description=doc_description(__doc__))
     s.add_argument("--out", default="bench_results/packing", help="results directory (JSON, PNG)")
-    s.add_argument("--samples", type=_positive, default=DEFAULT_SAMPLES,
+    s.add_argument("--samples", type=positive_int, default=DEFAULT_SAMPLES,
                    help=f"trajectories per step (default {DEFAULT_SAMPLES}: 32 prompts x 8 generations)")
-    s.add_argument("--steps", type=_positive, default=20, help="steps planned per DP size (default 20)")
+    s.add_argument("--steps", type=positive_int, default=20, help="steps planned per DP size (default 20)")
     s.add_argument("--dp", type=_ints, default=",".join(map(str, DEFAULT_DP)), help="comma-separated DP sizes")
-    s.add_argument("--budget", type=_positive, default=DEFAULT_BUDGET,
+    s.add_argument("--budget", type=positive_int, default=DEFAULT_BUDGET,
                    help=f"our micro-batch token budget (default {DEFAULT_BUDGET}, the 30B recipe's)")
     s.add_argument("--batch-sizes", type=_ints, default=",".join(map(str, DEFAULT_BATCH_SIZES)),
                    help="padded batch sizes to compare (default 1,4,8)")
-    s.add_argument("--pad-multiple", type=_positive, default=2,
+    s.add_argument("--pad-multiple", type=positive_int, default=2,
                    help="our micro-batches' T rounds up to this (the TP size; default 2, the 30B recipe's TP)")
     s.add_argument("--seed", type=int, default=0, help="seed of the sampled lengths (default 0)")
     s.set_defaults(func=_cmd)

@@ -86,6 +86,13 @@ def test_sft_learns_matches_hf_resumes_bit_identical_and_exports(tiny_ckpt, tmp_
         {k: v for k, v in m[2].items() if not k.startswith("time")}
     wa, wb = _weights(a / "hf"), _weights(b / "hf")
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+    # resumed again with no step left: refused before any rank starts, nothing written
+    before = (b / "config.json").read_bytes()
+    r = _mgrpo("sft", "--resume", str(b))
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
+        f"mgrpo sft: config error: {b} is at step 3 (its newest checkpoint); sft.steps=3 leaves nothing to train: "
+        "pass sft.steps greater than 3"), r.stderr[-2000:]
+    assert (b / "config.json").read_bytes() == before
 
     # the export is a model.hf_dir for `mgrpo train`: its pre-flight (layout, tokenizer, data sizing) takes it
     with pytest.raises(AssertionError, match="got past its pre-flight checks"):
