@@ -241,6 +241,6 @@ def _copy_rest(sub, rest: list, original):
     if not sub._mgrpo_weights_written:
         return original()
     sub._mgrpo_weights_written = False
-    for main, view in rest:
-        view.copy_(main.view(-1))
+    if rest:  # one multi-tensor launch for the hundreds of small shards, not a copy_ each
+        torch._foreach_copy_([view for _, view in rest], [main.view(-1) for main, _ in rest])
     return None
