@@ -11,13 +11,14 @@ optimizer step whose bandwidth bound is 23 ms (``mgrpo bench train``).
 at least :data:`MIN_NUMEL` elements: torch's AdamW update, in the same order of operations as
 torch's fused kernel, and the rounded bf16 weight written into the model's parameter buffer where
 megatron's copy would put it (30 B per parameter). The smaller shards (norms, biases: most
-parameters by count, a sliver by size) keep torch's fused AdamW and megatron's copy. The moments
+parameters by count, a sliver by size) keep torch's fused AdamW, and their bf16 weights are written
+in one multi-tensor copy (``torch._foreach_copy_``) instead of megatron's ``copy_`` each. The moments
 and ``step`` live in the inner optimizer's ``state`` as torch's fused AdamW keeps them (``step`` a
 float32 tensor on the device), so checkpoints and ``engine/ckpt_adam.py`` see no difference.
 
-megatron's copy runs after every inner step (``step_with_ready_grads``); after ours it copies only
-the shards the kernel did not write. Where it runs for another reason it copies everything, as
-before. Not installed (torch's fused AdamW and megatron's copy stay) for amsgrad, maximize,
+megatron's copy runs after every inner step (``step_with_ready_grads``); after ours that multi-tensor
+copy of the shards the kernel did not write takes its place. Where it runs for another reason it
+copies everything, as before. Not installed (torch's fused AdamW and megatron's copy stay) for amsgrad, maximize,
 capturable or differentiable groups, FSDP, fp8/fp4 parameter gathers, the precision-aware
 optimizer, or where Triton does not run.
 """
@@ -36,7 +37,7 @@ __all__ = ["install", "uninstall", "adamw_"]
 _BLOCK = 2048
 """Elements per Triton program (8 KiB of each fp32 stream)."""
 MIN_NUMEL = int(os.environ.get("MGRPO_FUSED_ADAMW_MIN_NUMEL", 1 << 20))
-"""Smaller master shards keep torch's fused AdamW and megatron's copy: a Triton launch from Python
+"""Smaller master shards keep torch's fused AdamW and one multi-tensor copy: a Triton launch from Python
 costs tens of microseconds of host time, more than a small shard's update takes on the device."""
 
 
