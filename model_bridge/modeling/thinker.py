@@ -219,13 +219,22 @@ class OmniThinker(MegatronModule):
                     f"{self.spec.audio_token_id}) but the audio tower made {audio.shape[0]} embeddings from "
                     f"{len(lens)} clip(s) with feature_lens={lens}{shared}")
             b, s = is_audio.shape
-            overlay = emb.new_zeros(b, s, emb.shape[-1]).masked_scatter(
-                is_audio.unsqueeze(-1), audio.to(emb.dtype)).transpose(0, 1)  # [s, b, h]
-            mask = is_audio.transpose(0, 1).unsqueeze(-1)  # [s, b, 1]
-            if self.config.sequence_parallel:
+            if not self.config.sequence_parallel:
+                # the audio rows copied in at their positions (b-major, as the clips come); the
+                # positions' count is known, so neither pass reads the device (a masked_scatter's
+                # backward would: masked_select), and the backward is an index_select and an
+                # index_fill instead of two full-size selects
+                f = is_audio.reshape(-1).nonzero_static(size=n_tokens).squeeze(1)  # flat [b, s] positions
+                rows = (f % s) * b + f // s  # the same tokens in the [s, b] layout of emb
+                h = emb.shape[-1]
+                emb = emb.reshape(s * b, h).index_copy(0, rows, audio.to(emb.dtype)).view(s, b, h)
+            else:  # each rank holds a slice of the sequence: the overlay and mask are scattered
+                overlay = emb.new_zeros(b, s, emb.shape[-1]).masked_scatter(
+                    is_audio.unsqueeze(-1), audio.to(emb.dtype)).transpose(0, 1)  # [s, b, h]
+                mask = is_audio.transpose(0, 1).unsqueeze(-1)  # [s, b, 1]
                 overlay = tensor_parallel.scatter_to_sequence_parallel_region(overlay)
                 mask = tensor_parallel.scatter_to_sequence_parallel_region(mask)
-            emb = torch.where(mask, overlay, emb)
+                emb = torch.where(mask, overlay, emb)
         elif n_tokens:
             raise ValueError(f"input_ids hold {n_tokens} audio tokens (id {self.spec.audio_token_id}) "
                              "but no audio_features were given")
