@@ -136,7 +136,7 @@ def _coll_device() -> torch.device:
 def _agree(local_error: Optional[str], num_microbatches: int, flag: bool = False) -> bool:
     """World all-reduce: same micro-batch count everywhere and no rank with a local error (else
     every rank raises StepError). Returns ``flag`` OR-ed over all ranks."""
-    if not _dist():
+    if not _dist() or dist.get_world_size() == 1:  # nothing to agree with (and no device read)
         if local_error:
             raise StepError(local_error)
         return flag
@@ -164,8 +164,8 @@ def _reduce_last_stage_dp_then_share(values: torch.Tensor) -> torch.Tensor:
     """SUM over the DP group on the last pipeline stage, then the same values on every stage."""
     from megatron.core import parallel_state as ps
 
-    if not _dist():
-        return values
+    if not _dist() or (ps.get_data_parallel_world_size() == 1 and ps.get_pipeline_model_parallel_world_size() == 1):
+        return values  # one stage, one DP rank: nothing to reduce (and no device round trip)
     values = values.to(_coll_device())
     if is_last_stage():
         dist.all_reduce(values, group=ps.get_data_parallel_group())
@@ -414,7 +414,7 @@ def optimizer_update(engine, skips: Optional[NonFiniteSkips] = None, step: Optio
     grad_norm = opt.get_grad_norm()
     grad_norm = float("nan") if grad_norm is None else float(grad_norm)
     bad = found_inf or not math.isfinite(grad_norm)
-    if _dist():
+    if _dist() and dist.get_world_size() > 1:
         flag = torch.tensor([1 if bad else 0], dtype=torch.int32, device=_coll_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         bad = bool(int(flag.item()))
