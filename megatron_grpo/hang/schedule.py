@@ -174,13 +174,14 @@ def check_schedule(schedule: StepSchedule, group=None, *, peer_key: Optional[int
     rank unless all ranks agree on the step and the micro-batch count, and ranks with the same
     ``peer_key`` (default: megatron's data-parallel rank, i.e. TP/PP/CP peers) also agree on the
     tokens and audio clips of every micro-batch. Returns None when they agree. Without an initialised
-    process group (one process) it only validates ``schedule``.
+    process group, or with a group of one rank, it only validates ``schedule`` (no collective, no
+    device read: the device may still be busy with the step's first work).
     """
     import torch.distributed as dist
 
     if not isinstance(schedule, StepSchedule):
         raise TypeError(f"check_schedule needs a StepSchedule, got {type(schedule).__name__}")
-    if not (dist.is_available() and dist.is_initialized()):
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return
     key = _default_peer_key() if peer_key is None else int(peer_key)
     with collective(f"check_schedule(step {schedule.step})"):
