@@ -31,6 +31,10 @@ def quiet_known_notices() -> None:
 
     for pattern in _QUIET:
         warnings.filterwarnings("ignore", message=pattern)
+    from model_bridge.dist_ckpt.runs import CheckpointWarning
+
+    # the checkpoint log line already says it; the warning would print it again, with a source line
+    warnings.filterwarnings("ignore", category=CheckpointWarning)
     import torch
 
     if not torch.cuda.is_available():  # megatron's advice on CUDA streams, meaningless without CUDA

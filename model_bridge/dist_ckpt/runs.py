@@ -153,12 +153,8 @@ def _find_latest(run_dir: os.PathLike | str, *, warn: bool = True) -> Optional[P
 
 
 class CheckpointWarning(RuntimeWarning):
-    """What warn_checkpoint says, for callers that record warnings (``warnings.catch_warnings``)."""
-
-
-# the log line is the message users see; the warning, ignored unless a caller records warnings,
-# would print it a second time, with a source line
-warnings.filterwarnings("ignore", category=CheckpointWarning)
+    """What warn_checkpoint says, for callers that record warnings (``warnings.catch_warnings``);
+    the CLI ignores it (``megatron_grpo.notices.quiet_known_notices``): there the log line says it."""
 
 
 def warn_checkpoint(msg: str) -> None:
