@@ -48,7 +48,7 @@ import sys
 import time
 from pathlib import Path
 
-from launch.bench._cli import bench_main, pyplot
+from launch.bench._cli import bench_main, positive_int, pyplot
 from launch.cli_help import doc_description
 
 __all__ = ["run_bench", "add_parser", "TARGET_VS_STACK_LM", "TARGET_HOST_SHARE"]
@@ -377,12 +377,9 @@ def _budget(text: str) -> int | str:
     if text == "auto":
         return text
     try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of tokens or auto, got {text!r}")
-    return value
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a positive number of tokens or auto, got {text!r}") from None
 
 
 def add_parser(bsub) -> argparse.ArgumentParser:
