@@ -13,7 +13,7 @@ import re
 import sys
 import warnings
 
-from launch.cli_help import show_defaults
+from launch.cli_help import file_in_the_way, show_defaults
 from megatron_grpo import __version__
 
 
@@ -44,12 +44,10 @@ def _refuse_nonempty(cmd: str, out: str, force: bool) -> None:
     from pathlib import Path
 
     d = Path(out)
-    for p in (d, *d.parents):  # a file in the way fails midway even with --force
-        if p.exists():
-            if not p.is_dir():
-                _die(f"mgrpo {cmd}: --out {d} is a file, not a directory: pass a directory" if p == d else
-                     f"mgrpo {cmd}: --out {d}: {p} is a file, not a directory: pass a directory")
-            break
+    p = file_in_the_way(d)  # it would fail midway even with --force
+    if p is not None:
+        _die(f"mgrpo {cmd}: --out {d} is a file, not a directory: pass a directory" if p == d else
+             f"mgrpo {cmd}: --out {d}: {p} is a file, not a directory: pass a directory")
     if d.is_dir() and any(d.iterdir()) and not force:
         _die(f"mgrpo {cmd}: --out {d} exists and is not empty: choose a new directory, or pass "
              "--force to write into it (files of the same name are replaced, others stay)")

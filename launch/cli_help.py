@@ -1,11 +1,13 @@
-"""The help formatter every `mgrpo` parser uses, and descriptions from module docstrings (a leaf:
-the standard library only, so any CLI module can import it)."""
+"""The help formatter every `mgrpo` parser uses, descriptions from module docstrings, and the
+check of an output path (a leaf: the standard library only, so any CLI module can import it)."""
 from __future__ import annotations
 
 import argparse
 import re
+from pathlib import Path
+from typing import Optional
 
-__all__ = ["DefaultsHelpFormatter", "doc_description", "show_defaults"]
+__all__ = ["DefaultsHelpFormatter", "doc_description", "show_defaults", "file_in_the_way"]
 
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
@@ -37,3 +39,13 @@ def show_defaults(parser: argparse.ArgumentParser) -> None:
                 if child.formatter_class is argparse.HelpFormatter:
                     child.formatter_class = DefaultsHelpFormatter
                 show_defaults(child)
+
+
+def file_in_the_way(out) -> Optional[Path]:
+    """The file that keeps directory ``out`` from being made or written into: ``out`` itself, or the
+    nearest existing path above it when that is a file; None when nothing is in the way."""
+    d = Path(out)
+    for p in (d, *d.parents):
+        if p.exists():
+            return None if p.is_dir() else p
+    return None

@@ -7,6 +7,8 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from launch.cli_help import file_in_the_way
+
 from .audio import ClipWriter
 from .load import ReportError, find_inputs, load_step, select_steps
 from .pages import index_html, step_file, step_html
@@ -48,12 +50,10 @@ def _out_dir(out: Optional[str], run_dir: Path) -> tuple[Path, str]:
     before the tokenizer loads; created only after it did)."""
     d = Path(out) if out else run_dir / "report"
     name = f"--out {d}" if out else f"{d} (the default --out)"
-    for p in (d, *d.parents):
-        if p.exists():
-            if not p.is_dir():
-                where = "" if p == d else f": {p}"
-                raise ReportError(f"{name}{where} is a file: pass {'a directory' if out else '--out DIR'}")
-            break
+    p = file_in_the_way(d)
+    if p is not None:
+        where = "" if p == d else f": {p}"
+        raise ReportError(f"{name}{where} is a file: pass {'a directory' if out else '--out DIR'}")
     return d, name
 
 

@@ -129,6 +129,11 @@ def _dist() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def _peers() -> bool:
+    """Other ranks to agree with (one rank alone makes no collective and reads nothing back)."""
+    return _dist() and dist.get_world_size() > 1
+
+
 def _coll_device() -> torch.device:
     return model_device() if _dist() and dist.get_backend() == "nccl" else torch.device("cpu")
 
@@ -136,7 +141,7 @@ def _coll_device() -> torch.device:
 def _agree(local_error: Optional[str], num_microbatches: int, flag: bool = False) -> bool:
     """World all-reduce: same micro-batch count everywhere and no rank with a local error (else
     every rank raises StepError). Returns ``flag`` OR-ed over all ranks."""
-    if not _dist() or dist.get_world_size() == 1:  # nothing to agree with (and no device read)
+    if not _peers():
         if local_error:
             raise StepError(local_error)
         return flag
@@ -414,7 +419,7 @@ def optimizer_update(engine, skips: Optional[NonFiniteSkips] = None, step: Optio
     grad_norm = opt.get_grad_norm()
     grad_norm = float("nan") if grad_norm is None else float(grad_norm)
     bad = found_inf or not math.isfinite(grad_norm)
-    if _dist() and dist.get_world_size() > 1:
+    if _peers():
         flag = torch.tensor([1 if bad else 0], dtype=torch.int32, device=_coll_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         bad = bool(int(flag.item()))
