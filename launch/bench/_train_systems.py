@@ -51,12 +51,14 @@ class TrainBench:
         import torch
 
         from megatron_grpo.engine.setup import unwrapped
+        from megatron_grpo.engine.step import audio_prefetch_tower
         from megatron_grpo.packing import plan_step
 
         self.engine, self.trajs, self.packing, self.cfg, self.featurize = engine, trajectories, packing, step_cfg, featurize
         self.device, self.shared_clips, self.keep_shared = device, shared_clips, keep_shared
         self.shared_kept = None
         self.thinker = unwrapped(engine.model[0])
+        self.tower = audio_prefetch_tower(engine, step_cfg)  # what mgrpo train hands the build
         self.step_no = 0
         self.lengths = [t.num_tokens for t in trajectories]
         plan = plan_step(self.lengths, 1, packing)
@@ -81,7 +83,6 @@ class TrainBench:
         sync after the device featurizer's kernels); without it, it runs as in ``mgrpo train``: the
         featurizer's kernels overlap the host's packing. ``prefetch``: the first micro-batch's tower
         batches run during the packing too, as ``mgrpo train`` runs them (``audio_prefetch_tower``)."""
-        from megatron_grpo.engine.step import audio_prefetch_tower
         from megatron_grpo.engine.batch import build_train_microbatches
 
         def timed(waves):
@@ -96,7 +97,7 @@ class TrainBench:
                                         featurize=self.featurize if feat_s is None else timed,
                                         n_window=self.engine.spec.audio.n_window, share_clips=self.shared_clips,
                                         keep_shared=self.keep_shared if keep_shared is None else keep_shared,
-                                        audio_tower=audio_prefetch_tower(self.engine, self.cfg) if prefetch else None)
+                                        audio_tower=self.tower if prefetch else None)
 
     def train(self, keep_shared=None, prefetch: bool = True) -> dict:
         """``mgrpo train``'s step 3-4 as it runs (one sync, at the end); ``keep_shared`` overrides
