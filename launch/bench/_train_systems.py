@@ -104,16 +104,19 @@ class TrainBench:
         ``trainer.shared_clips_keep``; ``prefetch=False``: no tower batch runs during the build."""
         from megatron_grpo.engine.step import train_step
         from megatron_grpo.hang import StepSchedule, check_schedule
+        from megatron_grpo.host_ranges import host_range
         from megatron_grpo.packing import plan_step
 
         self.step_no += 1
         _sync(self.device)
         t0 = time.perf_counter()
-        plan = plan_step(self.lengths, 1, self.packing)
+        with host_range("plan"):
+            plan = plan_step(self.lengths, 1, self.packing)
         mbs = self._build(plan, None, keep_shared, prefetch=prefetch)
         check_schedule(StepSchedule.from_microbatches(self.step_no, mbs))
         m = train_step(self.engine, mbs, self.cfg, step=self.step_no)
-        _sync(self.device)
+        with host_range("end_sync"):
+            _sync(self.device)
         if keep_shared is None and prefetch:
             self.last_metrics = m
             shared = next((x.clip_use.shared for x in mbs if x.clip_use), None)

@@ -37,7 +37,10 @@ featurise + pack + H2D against the 5% target; the budget ``packing.max_tokens_pe
 would pick on this engine (``auto_budget``, next to the measured ``peak_mem_gib``).
 ``--profile SYSTEMS``: one more step of each named system under ``torch.profiler`` after the timed
 rounds; its top device kernels and top host ops into ``profile_NAME.txt`` and the JSON's
-``profiles`` (a system whose host table adds up to more than its device table is launch-bound).
+``profiles`` (a system whose host table adds up to more than its device table is launch-bound);
+on CUDA its device timeline, with the idle time charged to the innermost ``mgrpo/...`` host range
+(``megatron_grpo.host_ranges``: featurise, pack, forward, loss, schedule = megatron's backward
+and glue, metrics, optimizer/...) and to the innermost host op (``launch.bench._idle``).
 """
 from __future__ import annotations
 
@@ -48,6 +51,7 @@ import sys
 import time
 from pathlib import Path
 
+from launch.bench._idle import device_timeline, idle_by_owner, idle_intervals
 from launch.bench._cli import bench_main, positive_int, pyplot
 from launch.cli_help import doc_description
 
@@ -179,34 +183,9 @@ PROFILE_TOP = 30
 """Kernels (by total device time) a ``--profile`` table keeps."""
 
 
-GAPS_TOP = 10
-"""Longest device idle gaps listed per profiled step."""
-
-
-def device_timeline(spans_us: list[tuple[float, float]], start_us: float, end_us: float) -> dict:
-    """Where the device was idle in a profiled step: ``spans_us`` are its activities (kernels,
-    copies, memsets) as ``(start, end)`` in microseconds, ``[start_us, end_us]`` the step on the
-    host's clock. Returns ms: the step, the device busy (the activities' union), idle in all, idle
-    before its first activity and after its last, and the :data:`GAPS_TOP` longest gaps between
-    activities (``at_ms``: where each begins, from the step's start)."""
-    busy, gaps, last = 0.0, [], None
-    for a, b in sorted(spans_us):
-        if last is None:
-            first = a
-        elif a > last:
-            gaps.append((a - last, last))
-        if last is None or a > last:
-            busy += b - a
-        elif b > last:
-            busy += b - last
-        last = b if last is None else max(last, b)
-    if last is None:
-        return {"step_ms": (end_us - start_us) / 1e3, "busy_ms": 0.0, "idle_ms": (end_us - start_us) / 1e3}
-    span = max(end_us, last) - min(start_us, first)
-    top = sorted(gaps, reverse=True)[:GAPS_TOP]
-    return {"step_ms": span / 1e3, "busy_ms": busy / 1e3, "idle_ms": (span - busy) / 1e3,
-            "idle_before_first_ms": max(first - start_us, 0.0) / 1e3, "idle_after_last_ms": max(end_us - last, 0.0) / 1e3,
-            "longest_gaps": [{"ms": g / 1e3, "at_ms": (at - min(start_us, first)) / 1e3} for g, at in top]}
+def _annotation(event) -> bool:
+    """A named range's mirror on the device's timeline (``record_function`` on CUDA), not device work."""
+    return bool(getattr(event, "is_user_annotation", False))
 
 
 def _profile(fn, path: Path) -> dict:
@@ -226,7 +205,7 @@ def _profile(fn, path: Path) -> dict:
     for side, is_cuda, attr in (("device", True, "self_device_time_total"), ("host", False, "self_cpu_time_total")):
         if is_cuda and not cuda:
             continue
-        mine = [e for e in events if (e.device_type.name == "CUDA") == is_cuda]
+        mine = [e for e in events if (e.device_type.name == "CUDA") == is_cuda and not _annotation(e)]
         total = sum(getattr(e, attr) for e in mine) or 1.0
         rows = sorted(({"name": e.key[:160], "calls": e.count, "total_ms": getattr(e, attr) / 1e3,
                         "share": getattr(e, attr) / total} for e in mine), key=lambda r: -r["total_ms"])[:PROFILE_TOP]
@@ -234,14 +213,26 @@ def _profile(fn, path: Path) -> dict:
         text.append(f"# {side} self time, {total / 1e3:.1f} ms in all\n" + "".join(
             f"{r['total_ms']:10.2f} ms {100 * r['share']:5.1f}% {r['calls']:7d}  {r['name']}\n" for r in rows))
     if cuda:
+        from megatron_grpo.host_ranges import PREFIX
+
         evs = list(prof.events())
-        host = [e.time_range for e in evs if e.device_type.name != "CUDA"]
-        tl = device_timeline([(e.time_range.start, e.time_range.end) for e in evs if e.device_type.name == "CUDA"],
-                             min(r.start for r in host), max(r.end for r in host))
+        host = [(e.name, e.time_range.start, e.time_range.end) for e in evs if e.device_type.name != "CUDA"]
+        dev = [(e.time_range.start, e.time_range.end) for e in evs
+               if e.device_type.name == "CUDA" and not _annotation(e)]
+        t0, t1 = min(r[1] for r in host), max(r[2] for r in host)
+        tl = device_timeline(dev, t0, t1)
+        t0, t1 = min([t0] + [a for a, _ in dev]), max([t1] + [b for _, b in dev])
+        idle = idle_intervals(dev, t0, t1)
+        tl["idle_by_range"] = idle_by_owner(idle, [r for r in host if r[0].startswith(PREFIX)], t0, t1)
+        tl["idle_by_host_op"] = idle_by_owner(idle, [r for r in host if not r[0].startswith(PREFIX)], t0, t1)
         tables["timeline"] = tl
-        text.append("# device timeline (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in tl.items() if k != "longest_gaps")
+        text.append("# device timeline (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in tl.items()
+                                                            if isinstance(v, float))
                     + "\n# longest idle gaps (ms at ms): "
-                    + ", ".join(f"{g['ms']:.2f} at {g['at_ms']:.1f}" for g in tl.get("longest_gaps", [])) + "\n")
+                    + ", ".join(f"{g['ms']:.2f} at {g['at_ms']:.1f}" for g in tl.get("longest_gaps", []))
+                    + "".join(f"\n# idle by {side} (ms): " + ", ".join(f"{r['name'][:60]} {r['idle_ms']:.2f}"
+                                                                    for r in tl[f"idle_by_{side}"])
+                              for side in ("range", "host_op")) + "\n")
     path.write_text("\n".join(text))
     return tables
 

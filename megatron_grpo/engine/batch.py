@@ -31,6 +31,7 @@ from typing import Callable, Optional, Sequence, Union
 import numpy as np
 import torch
 
+from megatron_grpo.host_ranges import host_range
 from megatron_grpo.packing import (MicroBatch, PackLimits, PackPlan, as_1d, build_rank_microbatches,
                                    pack_per_token, to_device)
 from model_bridge.modeling.audio import TOKENS_PER_FULL_CHUNK
@@ -343,69 +344,73 @@ def build_train_microbatches(trajectories: Sequence, plan: PackPlan, dp_rank: in
     # the audio first (it needs only the plan's sample ids): a device featurizer's copy and kernels,
     # and a prefetched tower batch, then run while the host packs the tokens
     clip_features: dict = {}
-    _featurize_step(trajectories, mine, featurize, clip_features)
-    mb_ids = [tuple(int(i) for i in ids) for ids in plan.microbatches[dp_rank]]
-    pool = keep_shared > 0  # every clip through SharedClips: a tower call per batch, not per micro-batch
-    shared_ix, span = _clip_uses(mb_ids, trajectories, share_clips, pool)
-    shared_feats: dict[int, torch.Tensor] = {}
-    per_mb = []
-    for ids in mb_ids:
-        feats, lens, order = [], [], []
-        for i in ids:
-            if not trajectories[i].audios:
-                continue
-            for a, (f, ln) in zip(trajectories[i].audios, _sample_audio(i, trajectories[i], featurize, n_window,
-                                                                         clip_features)):
-                c = shared_ix.get(id(a))
-                if c is None:
-                    order.append(len(feats))
-                    feats.append(f)
-                    lens.append(ln)
-                else:
-                    order.append(-1 - c)
-                    shared_feats[c] = f
-        per_mb.append((feats, lens, order))
-    shared = None
-    if shared_ix:  # batches of at most a micro-batch's budget of audio frames (shared_audio.py)
-        max_frames = config.max_tokens_per_microbatch * 2 * n_window // TOKENS_PER_FULL_CHUNK
-        feats_C = [shared_feats[c] for c in range(len(shared_ix))]
-        keep_frames = int(keep_shared * max_frames)
-        batches, always = (_pooled_batches(span, [f.shape[-1] for f in feats_C], min(max_frames, keep_frames),
-                                           max_frames)
-                           if pool else (None, ()))
-        shared = SharedClips(feats_C, max_frames=max_frames, keep_frames=keep_frames,
-                             batches=batches, always_keep=always)
-        batch_last: dict[int, int] = {}
-        for c, (_, k) in span.items():
-            b = shared.batch_of[c]
-            batch_last[b] = max(k, batch_last.get(b, k))
-    uses = [ClipUse(shared, tuple(order), tuple(sorted(b for b, last in batch_last.items() if last == k)))
-            if shared is not None and any(c < 0 for c in order) else None
-            for k, (_, _, order) in enumerate(per_mb)]
+    with host_range("featurise"):
+        _featurize_step(trajectories, mine, featurize, clip_features)
+    with host_range("clip_batches"):
+        mb_ids = [tuple(int(i) for i in ids) for ids in plan.microbatches[dp_rank]]
+        pool = keep_shared > 0  # every clip through SharedClips: a tower call per batch, not per micro-batch
+        shared_ix, span = _clip_uses(mb_ids, trajectories, share_clips, pool)
+        shared_feats: dict[int, torch.Tensor] = {}
+        per_mb = []
+        for ids in mb_ids:
+            feats, lens, order = [], [], []
+            for i in ids:
+                if not trajectories[i].audios:
+                    continue
+                for a, (f, ln) in zip(trajectories[i].audios, _sample_audio(i, trajectories[i], featurize, n_window,
+                                                                             clip_features)):
+                    c = shared_ix.get(id(a))
+                    if c is None:
+                        order.append(len(feats))
+                        feats.append(f)
+                        lens.append(ln)
+                    else:
+                        order.append(-1 - c)
+                        shared_feats[c] = f
+            per_mb.append((feats, lens, order))
+        shared = None
+        if shared_ix:  # batches of at most a micro-batch's budget of audio frames (shared_audio.py)
+            max_frames = config.max_tokens_per_microbatch * 2 * n_window // TOKENS_PER_FULL_CHUNK
+            feats_C = [shared_feats[c] for c in range(len(shared_ix))]
+            keep_frames = int(keep_shared * max_frames)
+            batches, always = (_pooled_batches(span, [f.shape[-1] for f in feats_C], min(max_frames, keep_frames),
+                                               max_frames)
+                               if pool else (None, ()))
+            shared = SharedClips(feats_C, max_frames=max_frames, keep_frames=keep_frames,
+                                 batches=batches, always_keep=always)
+            batch_last: dict[int, int] = {}
+            for c, (_, k) in span.items():
+                b = shared.batch_of[c]
+                batch_last[b] = max(k, batch_last.get(b, k))
+        uses = [ClipUse(shared, tuple(order), tuple(sorted(b for b, last in batch_last.items() if last == k)))
+                if shared is not None and any(c < 0 for c in order) else None
+                for k, (_, _, order) in enumerate(per_mb)]
     if audio_tower is not None and uses and uses[0] is not None:
-        uses[0].prefetch(audio_tower)
-    ids = {i: trajectories[i].input_ids_T for i in mine}  # the packer makes them tensors (packing.as_1d)
-    masks = {i: trajectories[i].loss_mask_T for i in mine}
-    mbs = build_rank_microbatches(plan, dp_rank, ids, masks, config)
-    rollout = {i: as_1d(trajectories[i].rollout_logprobs_T, torch.float32, f"rollout logprobs of sample {i}")
-               for i in mine}
-    refs = None if ref_logprobs_by_sample is None else [torch.as_tensor(r, dtype=torch.float32)
-                                                        for r in ref_logprobs_by_sample]
-    out = []
-    for mb, (feats, lens, _), use in zip(mbs, per_mb, uses):
-        rollout_T = pack_per_token(mb, rollout)
-        sid = mb.sample_index_T
-        adv_T = torch.where(sid >= 0, advantages_N[sid.clamp(min=0)], torch.zeros(sid.shape, dtype=torch.float32))
-        ref_T = None if refs is None else pack_per_token(mb, refs).to(torch.float32)
-        routes_TLK = None
-        if routes:
-            from megatron_grpo.engine.routes import pack_routes
-            routes_TLK = pack_routes(mb, trajectories)
-        out.append(TrainMicroBatch(
-            mb=mb, rollout_logprobs_T=rollout_T.to(torch.float32), advantages_T=adv_T,
-            audio_features=torch.cat(feats, dim=1) if feats else None,
-            audio_feature_lens=torch.cat(lens) if lens else None, ref_logprobs_T=ref_T,
-            routed_experts_TLK=routes_TLK, clip_use=use))
+        with host_range("prefetch_tower"):
+            uses[0].prefetch(audio_tower)
+    with host_range("pack"):
+        ids = {i: trajectories[i].input_ids_T for i in mine}  # the packer makes them tensors (packing.as_1d)
+        masks = {i: trajectories[i].loss_mask_T for i in mine}
+        mbs = build_rank_microbatches(plan, dp_rank, ids, masks, config)
+        rollout = {i: as_1d(trajectories[i].rollout_logprobs_T, torch.float32, f"rollout logprobs of sample {i}")
+                   for i in mine}
+        refs = None if ref_logprobs_by_sample is None else [torch.as_tensor(r, dtype=torch.float32)
+                                                            for r in ref_logprobs_by_sample]
+        out = []
+        for mb, (feats, lens, _), use in zip(mbs, per_mb, uses):
+            rollout_T = pack_per_token(mb, rollout)
+            sid = mb.sample_index_T
+            adv_T = torch.where(sid >= 0, advantages_N[sid.clamp(min=0)], torch.zeros(sid.shape, dtype=torch.float32))
+            ref_T = None if refs is None else pack_per_token(mb, refs).to(torch.float32)
+            routes_TLK = None
+            if routes:
+                from megatron_grpo.engine.routes import pack_routes
+                routes_TLK = pack_routes(mb, trajectories)
+            out.append(TrainMicroBatch(
+                mb=mb, rollout_logprobs_T=rollout_T.to(torch.float32), advantages_T=adv_T,
+                audio_features=torch.cat(feats, dim=1) if feats else None,
+                audio_feature_lens=torch.cat(lens) if lens else None, ref_logprobs_T=ref_T,
+                routed_experts_TLK=routes_TLK, clip_use=use))
     return out
 
 

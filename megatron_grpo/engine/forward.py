@@ -28,6 +28,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from megatron_grpo.host_ranges import host_range
+
 from .batch import TrainMicroBatch, reset_shared_clips
 from .logprobs import DEFAULT_CHUNK_TOKENS, token_logprobs
 
@@ -65,10 +67,16 @@ def _forward_step(use_fp16_wrapper: bool, fused: bool, loss_for: Callable, data_
     stack through ``engine.graphs.MicroBatchGraphs`` where that applies; its routers replaying or
     recording routes when ``routes``, an ``engine.routes.RouteSink``, says so: such a micro-batch
     runs eagerly, since a captured graph cannot take the replayed routes)."""
+    tmb: TrainMicroBatch = next(data_iterator)
+    with host_range("forward"):
+        return _forward_one(use_fp16_wrapper, fused, loss_for, tmb, model, graphs, routes)
+
+
+def _forward_one(use_fp16_wrapper: bool, fused: bool, loss_for: Callable, tmb: TrainMicroBatch, model, graphs,
+                 routes):
     from model_bridge.modeling.route_replay import replay_scope
     from model_bridge.modeling.thinker import OmniThinker
 
-    tmb: TrainMicroBatch = next(data_iterator)
     dev = model_device()
     t = tmb.to(dev, non_blocking=True)
     if graphs is not None and fused and routes is None:

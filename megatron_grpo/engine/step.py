@@ -64,6 +64,7 @@ import torch.distributed as dist
 from megatron_grpo.algo.importance import ISConfig, importance_weights
 from megatron_grpo.algo.losses import LossConfig, metric_reduce_op, policy_loss, reduce_metrics
 from megatron_grpo.algo.sft import sft_loss
+from megatron_grpo.host_ranges import host_range
 
 from .batch import TrainMicroBatch
 from .forward import DEFAULT_FUSED_LM_HEAD, fill_old_logprobs, is_last_stage, model_device, run_schedule
@@ -260,6 +261,7 @@ def audio_prefetch_tower(engine, config: StepConfig):
     return tower
 
 
+@host_range("loss")
 def _loss_for(vocab_size: int, config: StepConfig, norms: dict, scale: float, logprobs_out: Optional[dict],
               tmb: TrainMicroBatch, output: torch.Tensor, lm_head_weight: Optional[torch.Tensor] = None):
     """The loss megatron backpropagates for one micro-batch (``share * M * dp``) and its metrics.
@@ -341,27 +343,28 @@ def forward_backward(engine, microbatches: Sequence[TrainMicroBatch], config: St
                                          routes=record)
     routes = RouteSink("replay") if config.routing_replay else None
 
-    # global normalisers and step counts (the last stage counts; every stage learns them)
-    mine = dict.fromkeys(_STEP_COUNTS, 0.0)
-    if is_last_stage():
-        keeps = _keep_masks(microbatches, config)
-        mine.update(
-            kept_tokens=float(sum(int(k.sum()) for k in keeps)),
-            kept_samples=float(sum(_count_samples(k, m.sample_index_T) for k, m in zip(keeps, microbatches))),
-            loss_tokens=float(sum(int(m.loss_mask_T.sum()) for m in microbatches)),
-            loss_samples=float(sum(_count_samples(m.loss_mask_T.bool(), m.sample_index_T) for m in microbatches)),
-            tokens_total=float(sum(m.num_tokens for m in microbatches)),
-            tokens_real=float(sum(m.mb.num_real_tokens for m in microbatches)),
-            audio_clips=float(sum(m.num_clips for m in microbatches)),
-            samples=float(sum(m.mb.num_samples for m in microbatches)),
-            empty_microbatches=float(sum(1 for m in microbatches if m.is_padding)))
-    reduced = _reduce_last_stage_dp_then_share(torch.tensor([mine[k] for k in _STEP_COUNTS], dtype=torch.float64))
-    counts = {k: float(v) for k, v in zip(_STEP_COUNTS, reduced.tolist())}
-    norms = {"tokens": counts["kept_tokens"], "samples": counts["kept_samples"], "loss_tokens": counts["loss_tokens"],
-             "loss_samples": counts["loss_samples"]}
-    if norms["tokens"] <= 0 or norms["samples"] <= 0:
-        raise StepError(f"no loss token in this step on any rank (loss tokens {int(counts['loss_tokens'])}, kept by "
-                        f"IS {int(counts['kept_tokens'])}): nothing to train")
+    with host_range("step_counts"):
+        # global normalisers and step counts (the last stage counts; every stage learns them)
+        mine = dict.fromkeys(_STEP_COUNTS, 0.0)
+        if is_last_stage():
+            keeps = _keep_masks(microbatches, config)
+            mine.update(
+                kept_tokens=float(sum(int(k.sum()) for k in keeps)),
+                kept_samples=float(sum(_count_samples(k, m.sample_index_T) for k, m in zip(keeps, microbatches))),
+                loss_tokens=float(sum(int(m.loss_mask_T.sum()) for m in microbatches)),
+                loss_samples=float(sum(_count_samples(m.loss_mask_T.bool(), m.sample_index_T) for m in microbatches)),
+                tokens_total=float(sum(m.num_tokens for m in microbatches)),
+                tokens_real=float(sum(m.mb.num_real_tokens for m in microbatches)),
+                audio_clips=float(sum(m.num_clips for m in microbatches)),
+                samples=float(sum(m.mb.num_samples for m in microbatches)),
+                empty_microbatches=float(sum(1 for m in microbatches if m.is_padding)))
+        reduced = _reduce_last_stage_dp_then_share(torch.tensor([mine[k] for k in _STEP_COUNTS], dtype=torch.float64))
+        counts = {k: float(v) for k, v in zip(_STEP_COUNTS, reduced.tolist())}
+        norms = {"tokens": counts["kept_tokens"], "samples": counts["kept_samples"], "loss_tokens": counts["loss_tokens"],
+                 "loss_samples": counts["loss_samples"]}
+        if norms["tokens"] <= 0 or norms["samples"] <= 0:
+            raise StepError(f"no loss token in this step on any rank (loss tokens {int(counts['loss_tokens'])}, kept by "
+                            f"IS {int(counts['kept_tokens'])}): nothing to train")
 
     dp = ps.get_data_parallel_world_size(with_context_parallel=True)
     scale = float(M * dp)
@@ -371,12 +374,14 @@ def forward_backward(engine, microbatches: Sequence[TrainMicroBatch], config: St
         moe_utils.clear_aux_losses_tracker()
     except ImportError:  # pragma: no cover
         pass
-    collected = run_schedule(engine.model, microbatches,
-                             partial(_loss_for, engine.spec.text.vocab_size, config, norms, scale, logprobs_out),
-                             forward_only=False, force_all_reduce=force_all_reduce,
-                             fused_lm_head=config.fused_lm_head, graphs=engine.graphs, routes=routes)
-    local = reduce_metrics(collected) if collected else {}
-    metrics = _reduce_metrics_dp_pp(local)
+    with host_range("schedule"):
+        collected = run_schedule(engine.model, microbatches,
+                                 partial(_loss_for, engine.spec.text.vocab_size, config, norms, scale, logprobs_out),
+                                 forward_only=False, force_all_reduce=force_all_reduce,
+                                 fused_lm_head=config.fused_lm_head, graphs=engine.graphs, routes=routes)
+    with host_range("metrics"):
+        local = reduce_metrics(collected) if collected else {}
+        metrics = _reduce_metrics_dp_pp(local)
     if routes is not None:
         metrics.update(replay_metrics(routes))
     metrics.update(_moe_aux_metric(M))
@@ -415,8 +420,10 @@ def optimizer_update(engine, skips: Optional[NonFiniteSkips] = None, step: Optio
     """Step 5 of the module doc. Collective (every rank). Returns ``grad_norm``, ``lr``, ``skipped``,
     ``consecutive_skips``; raises NonFiniteGradError after too many skips in a row."""
     opt = engine.optimizer
-    found_inf = bool(opt.prepare_grads())
-    grad_norm = opt.get_grad_norm()
+    with host_range("optimizer/prepare_grads"):
+        found_inf = bool(opt.prepare_grads())
+    with host_range("optimizer/grad_norm"):
+        grad_norm = opt.get_grad_norm()
     grad_norm = float("nan") if grad_norm is None else float(grad_norm)
     bad = found_inf or not math.isfinite(grad_norm)
     if _peers():
@@ -430,9 +437,12 @@ def optimizer_update(engine, skips: Optional[NonFiniteSkips] = None, step: Optio
         skips = engine.nonfinite
     if not bad:
         if engine.optim.clip_grad > 0:
-            _clip(opt, grad_norm)
-        opt.step_with_ready_grads()
-        engine.scheduler.step(1)
+            with host_range("optimizer/clip"):
+                _clip(opt, grad_norm)
+        with host_range("optimizer/step"):
+            opt.step_with_ready_grads()
+        with host_range("optimizer/scheduler"):
+            engine.scheduler.step(1)
     names = log_nonfinite(engine.model, grad_norm, step, dist.get_rank() if _dist() else None) if bad else None
     skips.record(bad, grad_norm, step, names)
     return {"grad_norm": grad_norm, "lr": lr, "skipped": float(bad), "consecutive_skips": float(skips.consecutive),
@@ -448,9 +458,10 @@ def train_step(engine, microbatches: Sequence[TrainMicroBatch], config: StepConf
     logprobs of each of this rank's samples, ``{global sample id: float32 [L_i]}`` (token-aligned
     like ``Trajectory.rollout_logprobs_T``, 0 off the loss mask), the ones the rollout correction
     compares with vLLM's; a copy to the CPU per micro-batch, so ask only on steps that keep them."""
-    for m in engine.model:
-        m.zero_grad_buffer()
-    engine.optimizer.zero_grad()
+    with host_range("zero_grad"):
+        for m in engine.model:
+            m.zero_grad_buffer()
+        engine.optimizer.zero_grad()
     if skips is None:
         skips = engine.nonfinite
         if skips is None or skips.max_consecutive != config.max_consecutive_skips:

@@ -80,7 +80,7 @@ def test_bench_train_tiny_gpu(tmp_path, tiny_ckpt):
 def test_device_timeline_of_overlapping_and_gapped_spans():
     """Busy time is the union of the activities (overlaps counted once, a span inside another not at
     all); idle is the rest of the step, before the first, between, after the last; gaps longest first."""
-    from launch.bench.train import device_timeline
+    from launch.bench._idle import device_timeline
 
     spans = [(1000.0, 3000.0), (2000.0, 2500.0), (2800.0, 4000.0), (4500.0, 5000.0), (7000.0, 7100.0)]
     tl = device_timeline(spans, start_us=0.0, end_us=8000.0)
@@ -90,6 +90,23 @@ def test_device_timeline_of_overlapping_and_gapped_spans():
     assert tl["longest_gaps"] == [{"ms": pytest.approx(2.0), "at_ms": pytest.approx(5.0)},
                                   {"ms": pytest.approx(0.5), "at_ms": pytest.approx(4.0)}]
     assert device_timeline([], 0.0, 2000.0) == {"step_ms": 2.0, "busy_ms": 0.0, "idle_ms": 2.0}
+
+
+def test_idle_time_goes_to_the_innermost_open_range():
+    """Idle stretches are charged to the shortest host range open at the time (nested ranges
+    inside longer ones), the rest to "(no range)"; the charges add up to the idle time."""
+    from launch.bench._idle import NO_RANGE, idle_by_owner, idle_intervals
+
+    spans = [(100.0, 300.0), (250.0, 400.0), (600.0, 700.0)]
+    idle = idle_intervals(spans, 0.0, 1000.0)
+    assert idle == [(0.0, 100.0), (400.0, 600.0), (700.0, 1000.0)]
+    ranges = [("mgrpo/step", 0.0, 900.0), ("mgrpo/pack", 450.0, 550.0), ("mgrpo/loss", 720.0, 760.0)]
+    rows = {r["name"]: r["idle_ms"] for r in idle_by_owner(idle, ranges, 0.0, 1000.0)}
+    assert rows == {"mgrpo/step": pytest.approx((100 + 100 + 160) / 1e3),
+                    "mgrpo/pack": pytest.approx(0.1), "mgrpo/loss": pytest.approx(0.04),
+                    NO_RANGE: pytest.approx(0.1)}
+    assert sum(rows.values()) == pytest.approx(sum(b - a for a, b in idle) / 1e3)
+    assert idle_intervals([(0.0, 50.0), (40.0, 80.0)], 0.0, 80.0) == []
 
 
 def test_bench_train_auto_budget_cpu(tmp_path, tiny_ckpt):

@@ -1,0 +1,73 @@
+"""Where a profiled step leaves the device idle: each idle stretch between device activities is
+charged to the innermost host range open at that time (``megatron_grpo.host_ranges``: ``mgrpo/...``)
+and, separately, to the innermost host op of any name (the profile's CPU events, any thread)."""
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["device_timeline", "idle_intervals", "idle_by_owner"]
+
+BIN_US = 5.0
+"""Resolution of the attribution (us): an idle stretch is split over the ranges open in each bin."""
+
+NO_RANGE = "(no range)"
+
+GAPS_TOP = 10
+"""Longest device idle gaps listed per profiled step."""
+
+
+def idle_intervals(spans_us: list[tuple[float, float]], start_us: float, end_us: float) -> list[tuple[float, float]]:
+    """The stretches of ``[start_us, end_us]`` no device activity (``spans_us``) covers."""
+    out, last = [], start_us
+    for a, b in sorted(spans_us):
+        if a > last:
+            out.append((last, min(a, end_us)))
+        last = max(last, b)
+        if last >= end_us:
+            break
+    if last < end_us:
+        out.append((last, end_us))
+    return [(a, b) for a, b in out if b > a]
+
+
+def idle_by_owner(idle_us: list[tuple[float, float]], ranges: list[tuple[str, float, float]], start_us: float,
+                  end_us: float, top: int = 12) -> list[dict]:
+    """``ranges``: ``(name, start, end)`` host ranges, nested or not. Each idle microsecond goes to
+    the shortest range open at that time (the innermost), or to :data:`NO_RANGE`; returns the
+    ``top`` owners as ``{"name", "idle_ms"}``, most idle first (their sum is the idle time)."""
+    n = max(1, int(np.ceil((end_us - start_us) / BIN_US)))
+    owner = np.full(n, -1, dtype=np.int64)
+    names = sorted({r[0] for r in ranges})
+    index = {nm: k for k, nm in enumerate(names)}
+    # longest first, so a nested (shorter) range paints over the one around it
+    for name, a, b in sorted(ranges, key=lambda r: -(r[2] - r[1])):
+        i, j = int((a - start_us) // BIN_US), int(np.ceil((b - start_us) / BIN_US))
+        owner[max(i, 0):min(j, n)] = index[name]
+    totals = np.zeros(len(names) + 1)
+    for a, b in idle_us:
+        i, j = max(int((a - start_us) // BIN_US), 0), min(max(int(np.ceil((b - start_us) / BIN_US)), 1), n)
+        if j <= i:
+            continue
+        counts = np.bincount(owner[i:j] + 1, minlength=len(names) + 1)
+        totals += counts * ((b - a) / (j - i))  # the stretch's exact length, shared by its bins
+    rows = [{"name": NO_RANGE if k == 0 else names[k - 1], "idle_ms": float(t) / 1e3}
+            for k, t in enumerate(totals) if t > 0]
+    return sorted(rows, key=lambda r: -r["idle_ms"])[:top]
+
+
+def device_timeline(spans_us: list[tuple[float, float]], start_us: float, end_us: float) -> dict:
+    """Where the device was idle in a profiled step: ``spans_us`` are its activities (kernels,
+    copies, memsets) as ``(start, end)`` in microseconds, ``[start_us, end_us]`` the step on the
+    host's clock. Returns ms: the step, the device busy (the activities' union), idle in all, idle
+    before its first activity and after its last, and the :data:`GAPS_TOP` longest gaps between
+    activities (``at_ms``: where each begins, from the step's start)."""
+    if not spans_us:
+        return {"step_ms": (end_us - start_us) / 1e3, "busy_ms": 0.0, "idle_ms": (end_us - start_us) / 1e3}
+    first, last = min(a for a, _ in spans_us), max(b for _, b in spans_us)
+    t0, t1 = min(start_us, first), max(end_us, last)
+    idle = idle_intervals(spans_us, t0, t1)
+    idle_us = sum(b - a for a, b in idle)
+    gaps = sorted(((b - a, a) for a, b in idle if a >= first and b <= last), reverse=True)[:GAPS_TOP]
+    return {"step_ms": (t1 - t0) / 1e3, "busy_ms": (t1 - t0 - idle_us) / 1e3, "idle_ms": idle_us / 1e3,
+            "idle_before_first_ms": max(first - start_us, 0.0) / 1e3, "idle_after_last_ms": max(end_us - last, 0.0) / 1e3,
+            "longest_gaps": [{"ms": g / 1e3, "at_ms": (at - t0) / 1e3} for g, at in gaps]}
