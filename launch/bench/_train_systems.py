@@ -33,7 +33,11 @@ from __future__ import annotations
 import time
 from functools import partial
 
-__all__ = ["TrainBench"]
+__all__ = ["TrainBench", "PHASE"]
+
+PHASE = "phase"
+"""The host range (``megatron_grpo.host_ranges``) around a ``train`` step, from its start to its
+final sync: a profile's device timeline covers that window (not the profiler's own teardown)."""
 
 
 def _sync(device) -> None:
@@ -110,13 +114,14 @@ class TrainBench:
         self.step_no += 1
         _sync(self.device)
         t0 = time.perf_counter()
-        with host_range("plan"):
-            plan = plan_step(self.lengths, 1, self.packing)
-        mbs = self._build(plan, None, keep_shared, prefetch=prefetch)
-        check_schedule(StepSchedule.from_microbatches(self.step_no, mbs))
-        m = train_step(self.engine, mbs, self.cfg, step=self.step_no)
-        with host_range("end_sync"):
-            _sync(self.device)
+        with host_range(PHASE):
+            with host_range("plan"):
+                plan = plan_step(self.lengths, 1, self.packing)
+            mbs = self._build(plan, None, keep_shared, prefetch=prefetch)
+            check_schedule(StepSchedule.from_microbatches(self.step_no, mbs))
+            m = train_step(self.engine, mbs, self.cfg, step=self.step_no)
+            with host_range("end_sync"):
+                _sync(self.device)
         if keep_shared is None and prefetch:
             self.last_metrics = m
             shared = next((x.clip_use.shared for x in mbs if x.clip_use), None)

@@ -188,6 +188,27 @@ def _annotation(event) -> bool:
     return bool(getattr(event, "is_user_annotation", False))
 
 
+def timeline_of(events) -> dict:
+    """:func:`device_timeline` of a profile's events (``torch.profiler``'s ``FunctionEvent``s), over
+    the train systems' ``mgrpo/phase`` range when there is one (else over every host event), with
+    its idle time charged to the innermost ``mgrpo/...`` range and to the innermost host op."""
+    from launch.bench._train_systems import PHASE
+    from megatron_grpo.host_ranges import PREFIX
+
+    evs = list(events)
+    host = [(e.name, e.time_range.start, e.time_range.end) for e in evs if e.device_type.name != "CUDA"]
+    dev = [(e.time_range.start, e.time_range.end) for e in evs if e.device_type.name == "CUDA" and not _annotation(e)]
+    window = [r for r in host if r[0] == PREFIX + PHASE]
+    t0, t1 = (window[0][1], window[0][2]) if window else (min(r[1] for r in host), max(r[2] for r in host))
+    dev = [(a, b) for a, b in dev if b > t0 and a < t1]
+    tl = device_timeline(dev, t0, t1)
+    t0, t1 = min([t0] + [a for a, _ in dev]), max([t1] + [b for _, b in dev])
+    idle = idle_intervals(dev, t0, t1)
+    tl["idle_by_range"] = idle_by_owner(idle, [r for r in host if r[0].startswith(PREFIX)], t0, t1)
+    tl["idle_by_host_op"] = idle_by_owner(idle, [r for r in host if not r[0].startswith(PREFIX)], t0, t1)
+    return tl
+
+
 def _profile(fn, path: Path) -> dict:
     """One more (untimed) step of a system under ``torch.profiler``: its top device kernels (on CUDA)
     and its top host ops, each by total self time (name, calls, total ms, share of that side's
@@ -213,18 +234,7 @@ def _profile(fn, path: Path) -> dict:
         text.append(f"# {side} self time, {total / 1e3:.1f} ms in all\n" + "".join(
             f"{r['total_ms']:10.2f} ms {100 * r['share']:5.1f}% {r['calls']:7d}  {r['name']}\n" for r in rows))
     if cuda:
-        from megatron_grpo.host_ranges import PREFIX
-
-        evs = list(prof.events())
-        host = [(e.name, e.time_range.start, e.time_range.end) for e in evs if e.device_type.name != "CUDA"]
-        dev = [(e.time_range.start, e.time_range.end) for e in evs
-               if e.device_type.name == "CUDA" and not _annotation(e)]
-        t0, t1 = min(r[1] for r in host), max(r[2] for r in host)
-        tl = device_timeline(dev, t0, t1)
-        t0, t1 = min([t0] + [a for a, _ in dev]), max([t1] + [b for _, b in dev])
-        idle = idle_intervals(dev, t0, t1)
-        tl["idle_by_range"] = idle_by_owner(idle, [r for r in host if r[0].startswith(PREFIX)], t0, t1)
-        tl["idle_by_host_op"] = idle_by_owner(idle, [r for r in host if not r[0].startswith(PREFIX)], t0, t1)
+        tl = timeline_of(prof.events())
         tables["timeline"] = tl
         text.append("# device timeline (ms): " + ", ".join(f"{k} {v:.2f}" for k, v in tl.items()
                                                             if isinstance(v, float))

@@ -109,6 +109,28 @@ def test_idle_time_goes_to_the_innermost_open_range():
     assert idle_intervals([(0.0, 50.0), (40.0, 80.0)], 0.0, 80.0) == []
 
 
+def test_profile_timeline_covers_the_phase_without_device_annotations():
+    """The timeline of a profile: the ``mgrpo/phase`` window only (not the profiler's teardown after
+    it), device mirrors of host ranges (user annotations) not counted as device work."""
+    from types import SimpleNamespace as NS
+
+    from launch.bench.train import timeline_of
+
+    def ev(name, a, b, cuda=False, note=False):
+        return NS(name=name, time_range=NS(start=a, end=b), device_type=NS(name="CUDA" if cuda else "CPU"),
+                  is_user_annotation=note)
+
+    events = [ev("mgrpo/phase", 0.0, 1000.0), ev("mgrpo/pack", 0.0, 300.0), ev("mgrpo/schedule", 300.0, 1000.0),
+              ev("mgrpo/schedule", 300.0, 1000.0, cuda=True, note=True),  # spans the gap below: not work
+              ev("gemm", 200.0, 500.0, cuda=True), ev("gemm", 600.0, 1000.0, cuda=True),
+              ev("Activity Buffer Request", 1000.0, 1500.0)]  # after the phase: left out
+    tl = timeline_of(events)
+    assert tl["step_ms"] == pytest.approx(1.0) and tl["busy_ms"] == pytest.approx(0.7)
+    assert tl["idle_before_first_ms"] == pytest.approx(0.2) and tl["idle_after_last_ms"] == pytest.approx(0.0)
+    assert {r["name"]: r["idle_ms"] for r in tl["idle_by_range"]} == {"mgrpo/pack": pytest.approx(0.2),
+                                                                       "mgrpo/schedule": pytest.approx(0.1)}
+
+
 def test_bench_train_auto_budget_cpu(tmp_path, tiny_ckpt):
     """``--mb-tokens auto``: the budget ``packing.max_tokens_per_microbatch: auto`` picks (the default on CPU)."""
     res, _ = _run(tmp_path, tiny_ckpt, "--device", "cpu", "--mb-tokens", "auto", "--systems", "train")
