@@ -32,9 +32,8 @@ Everything is deterministic: ties are broken by sample id and rank.
 """
 from __future__ import annotations
 
-import heapq
 import struct
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence, Union
 
 import numpy as np
@@ -247,6 +246,10 @@ class MicroBatch:
     """Longest segment (padding segment included), for varlen attention."""
     sample_ids: tuple[int, ...]
     """Global ids of the samples, in packing order; empty for a padding micro-batch."""
+    scored_tokens: Optional[int] = field(default=None, compare=False)
+    """Loss-mask tokens that are not a segment's first (those ``engine.logprobs.token_logprobs``
+    scores under the loss mask), counted on the host when the micro-batch is built there and
+    carried by :meth:`to`, so the device's scoring needs no host read; None where unknown."""
 
     def __post_init__(self):
         T = self.input_ids_T.shape[0] if self.input_ids_T.dim() == 1 else -1
@@ -281,6 +284,8 @@ class MicroBatch:
             raise ValueError("position_ids_3T must restart at 0 in every segment, three equal rows")
         if bool(self.loss_mask_T[cu[n]:].any()):
             raise ValueError("padding tokens must have loss mask False")
+        object.__setattr__(self, "scored_tokens",
+                           int(self.loss_mask_T.sum()) - int(self.loss_mask_T[cu[:-1]].sum()))
 
     @property
     def num_tokens(self) -> int:

@@ -201,7 +201,8 @@ class TrainBench:
                 lp, _ = token_logprobs(hidden, t.input_ids_T, t.cu_seqlens_S, vocab_size=self.engine.spec.text.vocab_size,
                                        token_mask_T=mask, chunk_size=self.cfg.logprob_chunk_size,
                                        with_entropy=self.cfg.with_entropy,
-                                       lm_head_weight=self.thinker.lm_head_weight())
+                                       lm_head_weight=self.thinker.lm_head_weight(),
+                                       num_scored=host.mb.scored_tokens)  # as the trainer's loss
                 loss = -(lp * mask).sum() / mask.sum().clamp_min(1)
             else:
                 loss = (hidden * probe).sum(dtype=torch.float32)

@@ -93,12 +93,15 @@ class ISResult:
 def importance_weights(old_logprobs_T: torch.Tensor, rollout_logprobs_T: torch.Tensor,
                        loss_mask_T: torch.Tensor, sample_index_T: Optional[torch.Tensor] = None, *,
                        config: ISConfig, global_num_tokens: Optional[float] = None,
-                       global_num_samples: Optional[float] = None) -> ISResult:
+                       global_num_samples: Optional[float] = None,
+                       segments: Optional[tuple[torch.Tensor, int]] = None) -> ISResult:
     """TIS / MIS weights between pi_old and pi_rollout, and mismatch metrics.
 
     ``sample_index_T`` is required for the sequence levels; every sample must lie wholly inside
     the given tokens (the packer never splits one). ``global_num_tokens`` / ``global_num_samples``
     normalise the mean metrics (defaults: the local counts of loss tokens / samples with any).
+    ``segments``: the samples' ``segment_ids`` computed already (``segments.packed_segment_ids``:
+    no host sync).
     """
     T = check_flat("old_logprobs_T", old_logprobs_T)
     check_flat("rollout_logprobs_T", rollout_logprobs_T, T)
@@ -125,10 +128,11 @@ def importance_weights(old_logprobs_T: torch.Tensor, rollout_logprobs_T: torch.T
         n_units = n_tok
         log_rho_U = delta_T
     else:
-        if sample_index_T is None:
+        if sample_index_T is None and segments is None:
             raise ValueError(f"ISConfig.level={config.level!r} needs sample_index_T")
-        check_flat("sample_index_T", sample_index_T, T)
-        inv_T, G = segment_ids(sample_index_T)
+        if segments is None:
+            check_flat("sample_index_T", sample_index_T, T)
+        inv_T, G = segments if segments is not None else segment_ids(sample_index_T)
         sum_G = segment_sum(delta_T, inv_T, G)
         cnt_G = segment_sum(mask_T.to(ct), inv_T, G)
         log_rho_G = sum_G if config.level == "sequence" else sum_G / cnt_G.clamp(min=1.0)

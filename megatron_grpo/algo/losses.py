@@ -136,10 +136,12 @@ def _positive(name: str, value: Optional[Number]) -> Number:
 
 
 def aggregate(per_token_T: torch.Tensor, mask_T: torch.Tensor, sample_index_T: Optional[torch.Tensor],
-              config: LossConfig, *, global_num_tokens: Number, global_num_samples: Number) -> torch.Tensor:
+              config: LossConfig, *, global_num_tokens: Number, global_num_samples: Number,
+              segments: Optional[tuple[torch.Tensor, int]] = None) -> torch.Tensor:
     """This micro-batch's share of the variant's aggregate of ``per_token_T`` (module doc).
 
-    ``mask_T`` is bool; ``sample_index_T`` is needed for GRPO's sequence-mean.
+    ``mask_T`` is bool; ``sample_index_T`` is needed for GRPO's sequence-mean, or ``segments``, its
+    ``segment_ids`` computed already (``segments.packed_segment_ids``: no host sync).
     """
     masked_T = torch.where(mask_T, per_token_T, torch.zeros_like(per_token_T))
     agg = config.aggregation
@@ -147,9 +149,9 @@ def aggregate(per_token_T: torch.Tensor, mask_T: torch.Tensor, sample_index_T: O
         return masked_T.sum() / _positive("global_num_tokens", global_num_tokens)
     if agg == "token_sum_const":
         return masked_T.sum() / (config.max_response_len * _positive("global_num_samples", global_num_samples))
-    if sample_index_T is None:
+    if sample_index_T is None and segments is None:
         raise ValueError("GRPO's sequence-mean needs sample_index_T (which sample each token belongs to)")
-    inv_T, G = segment_ids(sample_index_T)
+    inv_T, G = segments if segments is not None else segment_ids(sample_index_T)
     sum_G = segment_sum(masked_T, inv_T, G)
     count_G = segment_sum(mask_T.to(masked_T.dtype), inv_T, G)
     return (sum_G / count_G.clamp(min=EMPTY_SAMPLE_TOKENS)).sum() / _positive("global_num_samples",
@@ -160,14 +162,17 @@ def policy_loss(logprobs_T: torch.Tensor, old_logprobs_T: torch.Tensor, advantag
                 loss_mask_T: torch.Tensor, sample_index_T: Optional[torch.Tensor] = None, *,
                 config: LossConfig, global_num_tokens: Number, global_num_samples: Number,
                 ref_logprobs_T: Optional[torch.Tensor] = None, is_weights_T: Optional[torch.Tensor] = None,
-                entropy_T: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                entropy_T: Optional[torch.Tensor] = None, segments: Optional[tuple[torch.Tensor, int]] = None
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``(loss, metrics)`` of ``config.variant`` for one micro-batch (formulas in the module doc).
 
     Differentiable in ``logprobs_T`` (and ``entropy_T`` when entropy_coef > 0); ``old_logprobs_T``,
     ``advantages_T``, ``ref_logprobs_T`` and ``is_weights_T`` are detached here. Computed in fp32
     (fp64 when ``logprobs_T`` is fp64).
     ``global_num_tokens`` (loss tokens of the whole step) and ``global_num_samples`` (samples of the
-    whole step) may be numbers or 0-dim tensors (no host sync then).
+    whole step) may be numbers or 0-dim tensors (no host sync then). ``segments``: the samples'
+    ``segment_ids`` of ``sample_index_T`` computed already (``segments.packed_segment_ids`` from
+    the packed offsets: no host sync; else ``torch.unique`` reads its size back).
     """
     T = check_flat("logprobs_T", logprobs_T)
     for name, x in (("old_logprobs_T", old_logprobs_T), ("advantages_T", advantages_T),
@@ -201,7 +206,7 @@ def policy_loss(logprobs_T: torch.Tensor, old_logprobs_T: torch.Tensor, advantag
     if is_weights_T is not None:
         pg_T = pg_T * is_weights_T.detach().to(ct)
 
-    norms = dict(global_num_tokens=global_num_tokens, global_num_samples=global_num_samples)
+    norms = dict(global_num_tokens=global_num_tokens, global_num_samples=global_num_samples, segments=segments)
     pg_loss = aggregate(pg_T, mask_T, sample_index_T, config, **norms)
     loss = pg_loss
     n_tok = global_num_tokens

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["segment_ids", "segment_sum", "check_flat"]
+__all__ = ["segment_ids", "packed_segment_ids", "segment_sum", "check_flat"]
 
 
 def check_flat(name: str, x: torch.Tensor, T: int | None = None) -> int:
@@ -31,6 +31,18 @@ def segment_ids(sample_index_T: torch.Tensor) -> tuple[torch.Tensor, int]:
     """
     unique_G, inverse_T = torch.unique(sample_index_T, return_inverse=True)
     return inverse_T, int(unique_G.numel())
+
+
+def packed_segment_ids(cu_seqlens_S: torch.Tensor, T: int) -> tuple[torch.Tensor, int]:
+    """:func:`segment_ids` of a packed micro-batch from its segment offsets (int ``[S + 1]``, on
+    the tokens' device), without a host sync: ``G = S`` is the offsets' length. Valid where each
+    segment is one sample and no sample spans two segments (the packer's micro-batches: padding
+    is its own last segment). The ids number the segments in order, not the samples by id; every
+    per-sample reduction over them is the same."""
+    G = cu_seqlens_S.numel() - 1
+    lens_S = (cu_seqlens_S[1:] - cu_seqlens_S[:-1]).to(torch.int64)
+    inverse_T = torch.repeat_interleave(torch.arange(G, device=cu_seqlens_S.device), lens_S, output_size=T)
+    return inverse_T, G
 
 
 def segment_sum(values_T: torch.Tensor, inverse_T: torch.Tensor, G: int) -> torch.Tensor:

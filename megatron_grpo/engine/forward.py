@@ -160,7 +160,8 @@ def _logprob_loss(vocab_size: int, chunk_size: int, with_entropy: bool, only_los
                   tmb: TrainMicroBatch, output: torch.Tensor, lm_head_weight: Optional[torch.Tensor] = None):
     lp_T, ent_T = token_logprobs(output, tmb.input_ids_T, tmb.cu_seqlens_S, vocab_size=vocab_size,
                                  token_mask_T=tmb.loss_mask_T if only_loss_tokens else None,
-                                 chunk_size=chunk_size, with_entropy=with_entropy, lm_head_weight=lm_head_weight)
+                                 chunk_size=chunk_size, with_entropy=with_entropy, lm_head_weight=lm_head_weight,
+                                 num_scored=tmb.mb.scored_tokens if only_loss_tokens else None)
     data = {"logprobs_T": lp_T.detach().cpu()}
     if ent_T is not None:
         data["entropy_T"] = ent_T.detach().cpu()

@@ -150,7 +150,7 @@ def shift_right_within_samples(values_T: torch.Tensor, cu_seqlens_S: torch.Tenso
 def token_logprobs(logits: torch.Tensor, input_ids_T: torch.Tensor, cu_seqlens_S: torch.Tensor, *,
                    vocab_size: int, token_mask_T: Optional[torch.Tensor] = None,
                    chunk_size: int = DEFAULT_CHUNK_TOKENS, with_entropy: bool = False, group=None,
-                   lm_head_weight: Optional[torch.Tensor] = None
+                   lm_head_weight: Optional[torch.Tensor] = None, num_scored: Optional[int] = None
                    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Token-aligned ``(logprobs_T, entropy_T)`` (float32 ``[T]``; float64 for float64 logits) of a
     packed micro-batch.
@@ -163,7 +163,9 @@ def token_logprobs(logits: torch.Tensor, input_ids_T: torch.Tensor, cu_seqlens_S
     ``logprobs_T[t] = log p(input_ids_T[t] | earlier tokens of its sample)`` (module doc,
     "Alignment"); 0 at every segment start. ``token_mask_T`` (bool ``[T]``, token-aligned, e.g. the
     loss mask) restricts the work to those tokens: others get 0 (and no gradient). Tokens at a
-    segment start are never evaluated.
+    segment start are never evaluated. ``num_scored``: how many tokens that leaves, when the
+    caller knows it on the host (``MicroBatch.scored_tokens``): their positions are then found
+    without reading the count back from the device.
     """
     T = input_ids_T.shape[0]
     if logits.shape[0] != T:
@@ -174,7 +176,8 @@ def token_logprobs(logits: torch.Tensor, input_ids_T: torch.Tensor, cu_seqlens_S
     want_T = ~starts
     if token_mask_T is not None:
         want_T = want_T & token_mask_T.to(device=dev, dtype=torch.bool)
-    tok = want_T.nonzero().view(-1)  # tokens to score; each is predicted from row tok - 1
+    # tokens to score; each is predicted from row tok - 1 (nonzero's size is a device read)
+    tok = (want_T.nonzero() if num_scored is None else torch.nonzero_static(want_T, size=int(num_scored))).view(-1)
     rows = tok - 1
     kw = dict(vocab_size=vocab_size, rows=rows, chunk_size=chunk_size, with_entropy=with_entropy, group=group)
     if lm_head_weight is None:

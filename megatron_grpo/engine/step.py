@@ -63,6 +63,7 @@ import torch.distributed as dist
 
 from megatron_grpo.algo.importance import ISConfig, importance_weights
 from megatron_grpo.algo.losses import LossConfig, metric_reduce_op, policy_loss, reduce_metrics
+from megatron_grpo.algo.segments import packed_segment_ids
 from megatron_grpo.algo.sft import sft_loss
 from megatron_grpo.host_ranges import host_range
 
@@ -271,19 +272,22 @@ def _loss_for(vocab_size: int, config: StepConfig, norms: dict, scale: float, lo
     mask_T = tmb.loss_mask_T.to(torch.bool)
     lp_T, ent_T = token_logprobs(output, tmb.input_ids_T, tmb.cu_seqlens_S, vocab_size=vocab_size,
                                  token_mask_T=mask_T, chunk_size=config.logprob_chunk_size,
-                                 with_entropy=config.with_entropy, lm_head_weight=lm_head_weight)
+                                 with_entropy=config.with_entropy, lm_head_weight=lm_head_weight,
+                                 num_scored=tmb.mb.scored_tokens)
     if config.objective == "sft":
         loss, metrics = sft_loss(lp_T, mask_T, global_num_tokens=norms["tokens"], entropy_T=ent_T)
         return loss * scale, metrics
     old_T = tmb.old_logprobs_T if tmb.old_logprobs_T is not None else lp_T.detach()
     if logprobs_out is not None:
         _keep_sample_logprobs(logprobs_out, tmb, old_T)
+    segments = packed_segment_ids(tmb.cu_seqlens_S, tmb.num_tokens)  # per-sample sums without a host sync
     isr = importance_weights(old_T, tmb.rollout_logprobs_T, mask_T, tmb.sample_index_T, config=config.importance,
-                             global_num_tokens=norms["loss_tokens"], global_num_samples=norms["loss_samples"])
+                             global_num_tokens=norms["loss_tokens"], global_num_samples=norms["loss_samples"],
+                             segments=segments)
     loss, metrics = policy_loss(lp_T, old_T, tmb.advantages_T, isr.keep_mask_T, tmb.sample_index_T,
                                 config=config.loss, global_num_tokens=norms["tokens"],
                                 global_num_samples=norms["samples"], ref_logprobs_T=tmb.ref_logprobs_T,
-                                is_weights_T=isr.weights_T, entropy_T=ent_T)
+                                is_weights_T=isr.weights_T, entropy_T=ent_T, segments=segments)
     metrics.update(isr.metrics)
     return loss * scale, metrics
 

@@ -102,6 +102,11 @@ def test_token_alignment_on_packed_microbatch():
                              chunk_size=4)
     assert torch.equal(lp_m[mb.loss_mask_T], lp_T[mb.loss_mask_T])
     assert (lp_m[~mb.loss_mask_T] == 0).all()
+    # the host's count of those tokens (carried to the device by MicroBatch.to) finds the same ones
+    assert mb.scored_tokens == int(mb.loss_mask_T.sum()) == 13 and mb.to("cpu").scored_tokens == 13
+    lp_n, _ = token_logprobs(logits, mb.input_ids_T, mb.cu_seqlens_S, vocab_size=V, token_mask_T=mb.loss_mask_T,
+                             chunk_size=4, num_scored=mb.scored_tokens)
+    assert torch.equal(lp_n, lp_m)
 
 
 class _Allocations(TorchDispatchMode):
