@@ -1,6 +1,5 @@
 """Where a profiled step leaves the device idle: each idle stretch between device activities is
-charged to the innermost host range open at that time (``megatron_grpo.host_ranges``: ``mgrpo/...``)
-and, separately, to the innermost host op of any name (the profile's CPU events, any thread)."""
+charged to the innermost host range open at that time (``megatron_grpo.host_ranges``: ``mgrpo/...``)."""
 from __future__ import annotations
 
 import numpy as np

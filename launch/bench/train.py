@@ -40,7 +40,7 @@ rounds; its top device kernels and top host ops into ``profile_NAME.txt`` and th
 ``profiles`` (a system whose host table adds up to more than its device table is launch-bound);
 on CUDA its device timeline, with the idle time charged to the innermost ``mgrpo/...`` host range
 (``megatron_grpo.host_ranges``: featurise, pack, forward, loss, schedule = megatron's backward
-and glue, metrics, optimizer/...) and to the innermost host op (``launch.bench._idle``).
+and glue, metrics, optimizer/...; ``launch.bench._idle``).
 """
 from __future__ import annotations
 
@@ -191,7 +191,8 @@ def _annotation(event) -> bool:
 def timeline_of(events) -> dict:
     """:func:`device_timeline` of a profile's events (``torch.profiler``'s ``FunctionEvent``s), over
     the train systems' ``mgrpo/phase`` range when there is one (else over every host event), with
-    its idle time charged to the innermost ``mgrpo/...`` range and to the innermost host op."""
+    its idle time charged to the innermost ``mgrpo/...`` range open on the host (the main thread's:
+    time in megatron's backward, which autograd runs on its own thread, goes to ``mgrpo/schedule``)."""
     from launch.bench._train_systems import PHASE
     from megatron_grpo.host_ranges import PREFIX
 
@@ -205,7 +206,6 @@ def timeline_of(events) -> dict:
     t0, t1 = min([t0] + [a for a, _ in dev]), max([t1] + [b for _, b in dev])
     idle = idle_intervals(dev, t0, t1)
     tl["idle_by_range"] = idle_by_owner(idle, [r for r in host if r[0].startswith(PREFIX)], t0, t1)
-    tl["idle_by_host_op"] = idle_by_owner(idle, [r for r in host if not r[0].startswith(PREFIX)], t0, t1)
     return tl
 
 
@@ -240,9 +240,8 @@ def _profile(fn, path: Path) -> dict:
                                                             if isinstance(v, float))
                     + "\n# longest idle gaps (ms at ms): "
                     + ", ".join(f"{g['ms']:.2f} at {g['at_ms']:.1f}" for g in tl.get("longest_gaps", []))
-                    + "".join(f"\n# idle by {side} (ms): " + ", ".join(f"{r['name'][:60]} {r['idle_ms']:.2f}"
-                                                                    for r in tl[f"idle_by_{side}"])
-                              for side in ("range", "host_op")) + "\n")
+                    + "\n# idle by host range (ms): "
+                    + ", ".join(f"{r['name']} {r['idle_ms']:.2f}" for r in tl["idle_by_range"]) + "\n")
     path.write_text("\n".join(text))
     return tables
 
