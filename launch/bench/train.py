@@ -41,6 +41,9 @@ rounds; its top device kernels and top host ops into ``profile_NAME.txt`` and th
 on CUDA its device timeline, with the idle time charged to the innermost ``mgrpo/...`` host range
 (``megatron_grpo.host_ranges``: featurise, pack, forward, loss, schedule = megatron's backward
 and glue, metrics, optimizer/...; ``launch.bench._idle``).
+``--syncs SYSTEMS``: one more step of each named system with every host sync (a device read the
+host waits for) counted by its call site in this repository and megatron-core (CUDA only;
+``launch.bench._syncs``), in the JSON's ``host_syncs`` and the report.
 """
 from __future__ import annotations
 
@@ -52,6 +55,7 @@ import time
 from pathlib import Path
 
 from launch.bench._idle import device_timeline, idle_by_owner, idle_intervals
+from launch.bench._syncs import count_syncs
 from launch.bench._cli import bench_main, positive_int, pyplot
 from launch.cli_help import doc_description
 
@@ -67,7 +71,8 @@ SYSTEMS = ("train", "train_recompute", "train_serial", "train_split", "stack", "
 def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16, mb_tokens: int | str = "auto",
               systems=SYSTEMS, warmup: int = 1, iters: int = 3, seed: int = 0, tiny: bool = False,
               device: str | None = None, work_dir=None, host_features: bool = False, hf_dir=None,
-              cuda_graphs: bool | str = "auto", shared_clips: bool = True, keep_shared: float = 0.5, profile=()) -> dict:
+              cuda_graphs: bool | str = "auto", shared_clips: bool = True, keep_shared: float = 0.5, profile=(),
+              syncs=()) -> dict:
     """Run the benchmark (module docstring); write ``bench_train.json`` / ``.png`` under ``out_dir``."""
     import torch
 
@@ -139,6 +144,7 @@ def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16
                     rows[n].append(res)
             say(f"round {r + 1}/{warmup + iters} done")
         profiles = {n: _profile(fn, out / f"profile_{n}.txt") for n, fn in bench.systems(list(profile)).items()}
+        host_syncs = {n: count_syncs(fn) for n, fn in bench.systems(list(syncs)).items()}
         res = {"env": _env(dev), "device": str(dev), "checkpoint": str(ckpt), "layers": None if tiny else layers,
                "audio_layers": None if tiny else audio_layers, "tiny": tiny, "samples": samples,
                "mb_tokens": mb_tokens, "auto_budget": auto_budget, "host_features": host_features, "cuda_graphs_setting": cuda_graphs,
@@ -158,7 +164,8 @@ def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16
                "systems": {n: _summary(v, bench.real_tokens) for n, v in rows.items()},
                "optimizer_bound": optimizer_bound(engine, dev),
                "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None,
-               "last_train_metrics": getattr(bench, "last_metrics", None), "profiles": profiles}
+               "last_train_metrics": getattr(bench, "last_metrics", None), "profiles": profiles,
+               "host_syncs": host_syncs}
         res["featurizer"] = "device" if type(featurize).__name__ == "DeviceFeaturizer" else "host"
         res["report"] = report(res)
     finally:
@@ -319,6 +326,10 @@ def _print_table(res: dict) -> None:
         if k in r:
             print(f"  {k:32s} {r[k]:.3f}")
     print(f"  targets: {r['targets']}")
+    for n, h in res.get("host_syncs", {}).items():
+        print(f"  host syncs in one {n} step: " + (str(h["total"]) if "total" in h else h["note"]))
+        for site in h.get("sites", [])[:8]:
+            print(f"    {site['count']:5d}  {site['where']}")
 
 
 def _plot(res: dict, path: Path) -> None:
@@ -347,9 +358,9 @@ def _plot(res: dict, path: Path) -> None:
 
 def _cmd(args: argparse.Namespace) -> int:
     systems = [x for x in args.systems.split(",") if x]
-    unknown = [x for x in systems + args.profile.split(",") if x and x not in SYSTEMS]
+    unknown = [x for x in systems + args.profile.split(",") + args.syncs.split(",") if x and x not in SYSTEMS]
     if unknown:
-        print(f"mgrpo bench train: --systems/--profile: unknown {', '.join(unknown)}; choose from {','.join(SYSTEMS)}",
+        print(f"mgrpo bench train: --systems/--profile/--syncs: unknown {', '.join(unknown)}; choose from {','.join(SYSTEMS)}",
               file=sys.stderr)
         return 2
     run_bench(args.out, layers=args.layers, audio_layers=args.audio_layers, samples=args.samples,
@@ -357,7 +368,7 @@ def _cmd(args: argparse.Namespace) -> int:
               tiny=args.tiny, device=args.device, work_dir=args.work_dir, host_features=args.host_features,
               hf_dir=args.hf_dir, cuda_graphs=args.cuda_graphs, shared_clips=not args.no_shared_clips,
               keep_shared=args.shared_keep,
-              profile=[x for x in args.profile.split(",") if x])
+              profile=[x for x in args.profile.split(",") if x], syncs=[x for x in args.syncs.split(",") if x])
     return 0
 
 
@@ -412,6 +423,9 @@ def add_parser(bsub) -> argparse.ArgumentParser:
                         "0: recompute them)")
     s.add_argument("--profile", default="", help="comma-separated systems to run once more under torch.profiler "
                                                  "after the timed rounds: their top kernels into profile_NAME.txt and the JSON")
+    s.add_argument("--syncs", default="", help="comma-separated systems to run once more with every host sync "
+                                               "counted by call site (CUDA; torch.cuda.set_sync_debug_mode): the "
+                                               "JSON's host_syncs and the report")
     s.add_argument("--hf-dir", default=None, help="train this checkpoint instead of generating one (--tiny: its "
                                                  "clip lengths)")
     s.add_argument("--work-dir", default=None, help="where the generated checkpoint goes (default --out)")

@@ -67,7 +67,7 @@ def test_bench_train_tiny_cpu(tmp_path, tiny_ckpt):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bench_train_tiny_gpu(tmp_path, tiny_ckpt):
-    res, _ = _run(tmp_path, tiny_ckpt, "--profile", "audio", "--cuda-graphs")
+    res, _ = _run(tmp_path, tiny_ckpt, "--profile", "audio", "--cuda-graphs", "--syncs", "train")
     _check(res)
     prof = res["profiles"]["audio"]
     assert any("conv" in r["name"].lower() for r in prof["device"]) and prof["host"], prof
@@ -75,6 +75,8 @@ def test_bench_train_tiny_gpu(tmp_path, tiny_ckpt):
     tl = prof["timeline"]
     assert 0 < tl["busy_ms"] <= tl["step_ms"] and tl["idle_ms"] == pytest.approx(tl["step_ms"] - tl["busy_ms"])
     assert res["cuda_graphs"] is True and res["graph_replays"] > 0 and res["graph_buckets"]
+    syncs = res["host_syncs"]["train"]
+    assert syncs["total"] >= sum(r["count"] for r in syncs["sites"]) >= 1  # the grad norm's read at least
 
 
 def test_device_timeline_of_overlapping_and_gapped_spans():
@@ -131,11 +133,46 @@ def test_profile_timeline_covers_the_phase_without_device_annotations():
                                                                        "mgrpo/schedule": pytest.approx(0.1)}
 
 
+def _read_back(n):
+    import warnings
+
+    for _ in range(n):
+        warnings.warn("called a synchronizing CUDA operation")  # what set_sync_debug_mode("warn") says
+
+
+def test_host_syncs_are_counted_by_call_site():
+    """``--syncs``: each sync warning is counted once, under the frames that made it; other
+    warnings still reach the caller."""
+    import warnings
+    from pathlib import Path
+
+    from launch.bench._syncs import count_syncs, sync_sites
+
+    def step():
+        _read_back(3)
+        _read_back(1)
+        warnings.warn("something else")
+
+    with pytest.warns(UserWarning, match="something else"):
+        res = sync_sites(step, roots=(str(Path(__file__).parent),))
+    assert res["total"] == 4
+    where = [(r["where"].split(" <- "), r["count"]) for r in res["sites"]]
+    assert [c for _, c in where] == [3, 1]
+    assert all(w[0].startswith("tests/launch/test_bench_train.py:") and w[0].endswith(" _read_back")
+               and w[1].endswith(" step") for w, _ in where)
+    assert where[0][0][1] != where[1][0][1]  # the two calls of _read_back are two sites
+    if not __import__("torch").cuda.is_available():
+        assert count_syncs(step) == {"note": "host syncs are counted on CUDA only (torch.cuda.set_sync_debug_mode)"}
+
+
 def test_bench_train_auto_budget_cpu(tmp_path, tiny_ckpt):
     """``--mb-tokens auto``: the budget ``packing.max_tokens_per_microbatch: auto`` picks (the default on CPU)."""
-    res, _ = _run(tmp_path, tiny_ckpt, "--device", "cpu", "--mb-tokens", "auto", "--systems", "train")
+    res, _ = _run(tmp_path, tiny_ckpt, "--device", "cpu", "--mb-tokens", "auto", "--systems", "train",
+                  "--syncs", "train")
     assert res["mb_tokens"] == res["auto_budget"] == 4096
     assert all(t <= 4096 for t in res["micro_batches"]) and set(res["systems"]) == {"train"}
+    assert res["host_syncs"] == {"train": {"note": "host syncs are counted on CUDA only "
+                                                   "(torch.cuda.set_sync_debug_mode)"}}
 
 
 @pytest.mark.parametrize("value", ["lots", "0", "-512"])
