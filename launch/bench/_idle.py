@@ -54,19 +54,27 @@ def idle_by_owner(idle_us: list[tuple[float, float]], ranges: list[tuple[str, fl
     return sorted(rows, key=lambda r: -r["idle_ms"])[:top]
 
 
-def device_timeline(spans_us: list[tuple[float, float]], start_us: float, end_us: float) -> dict:
+def device_timeline(spans_us: list[tuple[float, float]], start_us: float, end_us: float,
+                    ranges: list[tuple[str, float, float]] | None = None) -> dict:
     """Where the device was idle in a profiled step: ``spans_us`` are its activities (kernels,
     copies, memsets) as ``(start, end)`` in microseconds, ``[start_us, end_us]`` the step on the
     host's clock. Returns ms: the step, the device busy (the activities' union), idle in all, idle
     before its first activity and after its last, and the :data:`GAPS_TOP` longest gaps between
-    activities (``at_ms``: where each begins, from the step's start)."""
+    activities (``at_ms``: where each begins, from the step's start); with host ``ranges``, also
+    ``idle_by_range`` (:func:`idle_by_owner`)."""
     if not spans_us:
-        return {"step_ms": (end_us - start_us) / 1e3, "busy_ms": 0.0, "idle_ms": (end_us - start_us) / 1e3}
+        out = {"step_ms": (end_us - start_us) / 1e3, "busy_ms": 0.0, "idle_ms": (end_us - start_us) / 1e3}
+        if ranges is not None:
+            out["idle_by_range"] = idle_by_owner([(start_us, end_us)], ranges, start_us, end_us)
+        return out
     first, last = min(a for a, _ in spans_us), max(b for _, b in spans_us)
     t0, t1 = min(start_us, first), max(end_us, last)
     idle = idle_intervals(spans_us, t0, t1)
     idle_us = sum(b - a for a, b in idle)
     gaps = sorted(((b - a, a) for a, b in idle if a >= first and b <= last), reverse=True)[:GAPS_TOP]
-    return {"step_ms": (t1 - t0) / 1e3, "busy_ms": (t1 - t0 - idle_us) / 1e3, "idle_ms": idle_us / 1e3,
-            "idle_before_first_ms": max(first - start_us, 0.0) / 1e3, "idle_after_last_ms": max(end_us - last, 0.0) / 1e3,
-            "longest_gaps": [{"ms": g / 1e3, "at_ms": (at - t0) / 1e3} for g, at in gaps]}
+    out = {"step_ms": (t1 - t0) / 1e3, "busy_ms": (t1 - t0 - idle_us) / 1e3, "idle_ms": idle_us / 1e3,
+           "idle_before_first_ms": max(first - start_us, 0.0) / 1e3, "idle_after_last_ms": max(end_us - last, 0.0) / 1e3,
+           "longest_gaps": [{"ms": g / 1e3, "at_ms": (at - t0) / 1e3} for g, at in gaps]}
+    if ranges is not None:
+        out["idle_by_range"] = idle_by_owner(idle, ranges, t0, t1)
+    return out

@@ -54,7 +54,7 @@ import sys
 import time
 from pathlib import Path
 
-from launch.bench._idle import device_timeline, idle_by_owner, idle_intervals
+from launch.bench._idle import device_timeline
 from launch.bench._syncs import count_syncs
 from launch.bench._cli import bench_main, positive_int, pyplot
 from launch.cli_help import doc_description
@@ -209,11 +209,7 @@ def timeline_of(events) -> dict:
     window = [r for r in host if r[0] == PREFIX + PHASE]
     t0, t1 = (window[0][1], window[0][2]) if window else (min(r[1] for r in host), max(r[2] for r in host))
     dev = [(a, b) for a, b in dev if b > t0 and a < t1]
-    tl = device_timeline(dev, t0, t1)
-    t0, t1 = min([t0] + [a for a, _ in dev]), max([t1] + [b for _, b in dev])
-    idle = idle_intervals(dev, t0, t1)
-    tl["idle_by_range"] = idle_by_owner(idle, [r for r in host if r[0].startswith(PREFIX)], t0, t1)
-    return tl
+    return device_timeline(dev, t0, t1, ranges=[r for r in host if r[0].startswith(PREFIX)])
 
 
 def _profile(fn, path: Path) -> dict:
