@@ -129,10 +129,11 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, *, voca
 
 def segment_starts(cu_seqlens_S: torch.Tensor, T: int, device=None) -> torch.Tensor:
     """bool ``[T]``: True at the first token of every segment of ``cu_seqlens_S``."""
-    starts = torch.zeros(T, dtype=torch.bool, device=device)
-    cu = cu_seqlens_S.to(device=device, dtype=torch.long)[:-1]
-    starts[cu[cu < T]] = True
-    return starts
+    # one spare slot takes the offsets equal to T (empty trailing segments), so no boolean-mask
+    # indexing (a device-to-host read of its size) is needed to drop them
+    starts = torch.zeros(T + 1, dtype=torch.bool, device=device)
+    cu = cu_seqlens_S.to(device=device, dtype=torch.long)[:-1].clamp(max=T)
+    return starts.index_fill_(0, cu, True)[:T]
 
 
 def shift_right_within_samples(values_T: torch.Tensor, cu_seqlens_S: torch.Tensor, fill: float = 0.0

@@ -191,6 +191,7 @@ def _reduce_metrics_dp_pp(local: dict[str, torch.Tensor]) -> dict[str, float]:
     if is_last_stage():
         keys = sorted(local)
         dev = _coll_device()
+        names, vecs = [], []
         for op_name, op in (("sum", "SUM"), ("max", "MAX"), ("min", "MIN")):
             ks = [k for k in keys if metric_reduce_op(k) == op_name]
             if not ks:
@@ -198,7 +199,10 @@ def _reduce_metrics_dp_pp(local: dict[str, torch.Tensor]) -> dict[str, float]:
             vec = torch.stack([local[k].detach().to(torch.float64).reshape(()) for k in ks]).to(dev)
             if _dist() and ps.get_data_parallel_world_size() > 1:
                 dist.all_reduce(vec, op=getattr(dist.ReduceOp, op), group=ps.get_data_parallel_group())
-            out.update({k: float(v) for k, v in zip(ks, vec.cpu().tolist())})
+            names += ks
+            vecs.append(vec)
+        if vecs:  # one device-to-host read for all of them
+            out.update(zip(names, torch.cat(vecs).cpu().tolist()))
     if _dist() and ps.get_pipeline_model_parallel_world_size() > 1:
         box = [out]
         src = ps.get_pipeline_model_parallel_last_rank()

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_grpo.engine.logprobs import token_logprobs, vocab_parallel_logprobs
+from megatron_grpo.engine.logprobs import segment_starts, token_logprobs, vocab_parallel_logprobs
 from model_bridge.spawn import run_ranks
 
 TOL = 1e-6
@@ -107,6 +107,38 @@ def test_token_alignment_on_packed_microbatch():
     lp_n, _ = token_logprobs(logits, mb.input_ids_T, mb.cu_seqlens_S, vocab_size=V, token_mask_T=mb.loss_mask_T,
                              chunk_size=4, num_scored=mb.scored_tokens)
     assert torch.equal(lp_n, lp_m)
+
+
+def test_segment_starts_ignores_empty_trailing_segments():
+    # offsets equal to T (empty segments at the end, as padding-free buckets leave) mark nothing
+    cu = torch.tensor([0, 3, 3, 7, 10, 10], dtype=torch.int32)
+    want = torch.zeros(10, dtype=torch.bool)
+    want[[0, 3, 7]] = True
+    assert torch.equal(segment_starts(cu, 10), want)
+    assert torch.equal(segment_starts(torch.tensor([0, 4]), 4), torch.tensor([True, False, False, False]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_token_logprobs_with_host_count_never_syncs():
+    from megatron_grpo.packing import PackLimits, build_microbatch
+
+    g = torch.Generator().manual_seed(4)
+    V, Vp = 60, 64
+    ids = [torch.randint(0, V, (n,), generator=g) for n in (7, 5, 9)]
+    masks = [torch.tensor([0, 0, 1, 1, 0, 1, 1]), torch.tensor([0, 1, 1, 1, 1]), torch.tensor([0] * 4 + [1] * 5)]
+    mb = build_microbatch([2, 0, 1], ids, masks, PackLimits(max_tokens_per_microbatch=24, pad_multiple=8)).to("cuda")
+    logits = _logits(mb.num_tokens, Vp, V, seed=5, pad_value=-1.0e4).cuda()
+    want, _ = token_logprobs(logits, mb.input_ids_T, mb.cu_seqlens_S, vocab_size=V, token_mask_T=mb.loss_mask_T,
+                             chunk_size=4)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any device-to-host read raises
+    try:
+        got, _ = token_logprobs(logits, mb.input_ids_T, mb.cu_seqlens_S, vocab_size=V, token_mask_T=mb.loss_mask_T,
+                                chunk_size=4, num_scored=mb.scored_tokens)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.equal(got, want)
 
 
 class _Allocations(TorchDispatchMode):
