@@ -209,7 +209,8 @@ def timeline_of(events) -> dict:
     window = [r for r in host if r[0] == PREFIX + PHASE]
     t0, t1 = (window[0][1], window[0][2]) if window else (min(r[1] for r in host), max(r[2] for r in host))
     dev = [(a, b) for a, b in dev if b > t0 and a < t1]
-    return device_timeline(dev, t0, t1, ranges=[r for r in host if r[0].startswith(PREFIX)])
+    return device_timeline(dev, t0, t1, ranges=[r for r in host if r[0].startswith(PREFIX)],
+                           host_ops=[r for r in host if not r[0].startswith(PREFIX)])
 
 
 def _profile(fn, path: Path) -> dict:
@@ -243,6 +244,9 @@ def _profile(fn, path: Path) -> dict:
                                                             if isinstance(v, float))
                     + "\n# longest idle gaps (ms at ms): "
                     + ", ".join(f"{g['ms']:.2f} at {g['at_ms']:.1f}" for g in tl.get("longest_gaps", []))
+                    + "".join(f"\n#   host during the {g['ms']:.2f} ms gap: "
+                              + ", ".join(f"{o['name']} {o['overlap_ms']:.2f}/{o['ms']:.2f}" for o in g["host"])
+                              for g in tl.get("longest_gaps", []) if "host" in g)
                     + "\n# idle by host range (ms): "
                     + ", ".join(f"{r['name']} {r['idle_ms']:.2f}" for r in tl["idle_by_range"]) + "\n")
     path.write_text("\n".join(text))

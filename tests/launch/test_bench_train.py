@@ -131,6 +131,21 @@ def test_profile_timeline_covers_the_phase_without_device_annotations():
     assert tl["idle_before_first_ms"] == pytest.approx(0.2) and tl["idle_after_last_ms"] == pytest.approx(0.0)
     assert {r["name"]: r["idle_ms"] for r in tl["idle_by_range"]} == {"mgrpo/pack": pytest.approx(0.2),
                                                                        "mgrpo/schedule": pytest.approx(0.1)}
+    # the one gap between device activities names the host ops that ran in it (ranges left out)
+    events.append(ev("cudaMalloc", 520.0, 580.0))
+    gap = timeline_of(events)["longest_gaps"][0]
+    assert gap["ms"] == pytest.approx(0.1) and [o["name"] for o in gap["host"]] == ["cudaMalloc"]
+    assert gap["host"][0]["overlap_ms"] == pytest.approx(0.06)
+
+
+def test_busy_host_ops_by_overlap_with_the_gap():
+    from launch.bench._idle import busy_host_ops
+
+    ops = [("aten::cat", 0.0, 1000.0), ("cudaMalloc", 400.0, 900.0), ("aten::copy_", 50.0, 120.0),
+           ("before", 0.0, 90.0)]
+    rows = busy_host_ops((100.0, 600.0), ops, top=2)
+    assert [(r["name"], r["overlap_ms"], r["ms"]) for r in rows] == [("aten::cat", 0.5, 1.0), ("cudaMalloc", 0.2, 0.5)]
+    assert busy_host_ops((2000.0, 3000.0), ops) == []
 
 
 def _read_back(n):
