@@ -32,6 +32,7 @@ Everything is deterministic: ties are broken by sample id and rank.
 """
 from __future__ import annotations
 
+import contextvars
 import struct
 from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence, Union
@@ -267,6 +268,9 @@ class MicroBatch:
         if self.cu_seqlens_S.device.type != "cpu":
             return  # content checks only where they cost no device sync
         cu = self.cu_seqlens_S.tolist()
+        if _ASSEMBLING.get():  # built consistent by _assemble: its checks would redo its work
+            object.__setattr__(self, "scored_tokens", _scored(self.loss_mask_T, cu))
+            return
         seg = [b - a for a, b in zip(cu, cu[1:])]
         n = len(self.sample_ids)
         if not cu or cu[0] != 0 or cu[-1] != T or any(s <= 0 for s in seg):
@@ -284,8 +288,7 @@ class MicroBatch:
             raise ValueError("position_ids_3T must restart at 0 in every segment, three equal rows")
         if bool(self.loss_mask_T[cu[n]:].any()):
             raise ValueError("padding tokens must have loss mask False")
-        object.__setattr__(self, "scored_tokens",
-                           int(self.loss_mask_T.sum()) - int(self.loss_mask_T[cu[:-1]].sum()))
+        object.__setattr__(self, "scored_tokens", _scored(self.loss_mask_T, cu))
 
     @property
     def num_tokens(self) -> int:
@@ -401,6 +404,18 @@ def build_microbatch(sample_ids: Sequence[int], input_ids_by_sample: Sequence[To
     return _assemble(torch.cat(ids), torch.cat(masks), seg, sample_ids)
 
 
+_ASSEMBLING = contextvars.ContextVar("mgrpo_packing_assembling", default=False)
+"""True while :func:`_assemble` constructs a :class:`MicroBatch`: its offsets, sample index and
+positions are derived from one list of segment lengths, so ``__post_init__`` keeps the shape and
+dtype checks and skips the content checks, which would rebuild them (a third of the packer's host
+time on a 64-sample step). Padding tokens get mask False from :func:`build_microbatch`."""
+
+
+def _scored(loss_mask_T: torch.Tensor, cu: list[int]) -> int:
+    """Loss-mask tokens that do not start a segment (``MicroBatch.scored_tokens``)."""
+    return int(loss_mask_T.sum()) - int(loss_mask_T[cu[:-1]].sum())
+
+
 def _assemble(input_ids_T: torch.Tensor, loss_mask_T: torch.Tensor, seg: list[int],
               sample_ids: tuple[int, ...]) -> MicroBatch:
     seg_t = torch.tensor(seg, dtype=torch.int64)
@@ -409,10 +424,14 @@ def _assemble(input_ids_T: torch.Tensor, loss_mask_T: torch.Tensor, seg: list[in
     T = int(cu_S[-1])
     sid = torch.tensor(list(sample_ids) + [-1] * (len(seg) - len(sample_ids)), dtype=torch.int64)
     pos_T = torch.arange(T) - cu_S[:-1].repeat_interleave(seg_t)
-    return MicroBatch(input_ids_T=input_ids_T, loss_mask_T=loss_mask_T,
-                      sample_index_T=sid.repeat_interleave(seg_t),
-                      position_ids_3T=pos_T.expand(3, T).contiguous(), cu_seqlens_S=cu_S.to(torch.int32),
-                      max_seqlen=max(seg), sample_ids=sample_ids)
+    token = _ASSEMBLING.set(True)
+    try:
+        return MicroBatch(input_ids_T=input_ids_T, loss_mask_T=loss_mask_T,
+                          sample_index_T=sid.repeat_interleave(seg_t),
+                          position_ids_3T=pos_T.expand(3, T).contiguous(), cu_seqlens_S=cu_S.to(torch.int32),
+                          max_seqlen=max(seg), sample_ids=sample_ids)
+    finally:
+        _ASSEMBLING.reset(token)
 
 
 def empty_microbatch(config: PackLimits) -> MicroBatch:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -166,6 +167,10 @@ def test_built_microbatches_are_consistent(pad_multiple):
                 assert mb.position_ids_3T[:, a:b].tolist() == [list(range(b - a))] * 3  # restart per sample
                 assert set(mb.sample_index_T[a:b].tolist()) == {i}
             assert not mb.loss_mask_T[cu[mb.num_samples]:].any()
+            # the packer skips the content checks of what it built; made again outside it they pass
+            again = replace(mb)
+            assert again == mb and again.scored_tokens == mb.scored_tokens == \
+                int(mb.loss_mask_T.sum()) - int(mb.loss_mask_T[cu[:-1]].sum())
             seen += mb.sample_ids
     assert sorted(seen) == list(range(len(lengths)))
 
@@ -197,7 +202,6 @@ def test_microbatch_rejects_inconsistent_metadata():
     cfg = PackLimits(max_tokens_per_microbatch=8, pad_multiple=4)
     ids, masks = fake_samples([3, 2])
     mb = build_microbatch([0, 1], ids, masks, cfg)
-    from dataclasses import replace
     with pytest.raises(ValueError, match="rise strictly from 0 to T"):
         replace(mb, cu_seqlens_S=torch.tensor([0, 3, 5], dtype=torch.int32))
     with pytest.raises(ValueError, match="int32"):
