@@ -52,7 +52,8 @@ from launch.bench._cli import bench_main, positive_int, pyplot
 from launch.bench.layers import DEFAULT_LENGTHS
 from launch.cli_help import doc_description
 
-__all__ = ["sample_steps", "plan_ours", "plan_padded", "imbalance", "evaluate", "run_bench", "add_parser"]
+__all__ = ["sample_steps", "plan_ours", "plan_padded", "imbalance", "evaluate", "host_build", "run_bench",
+           "add_parser"]
 
 DEFAULT_SAMPLES = 256
 DEFAULT_BUDGET = 16384
@@ -148,6 +149,41 @@ def evaluate(step_plans: list) -> dict:
             "steps": per_step}
 
 
+HOST_BUILD_STEPS = 5
+"""Steps whose micro-batches :func:`host_build` builds (the first of the bench's steps)."""
+
+
+def host_build(step_lengths: list[list[int]], budget: int, pad_multiple: int, seed: int = 0) -> dict:
+    """The packer's host time on one rank (DP 1) per step: ``build_rank_microbatches`` from
+    Python lists, as the rollout hands them (token ids, loss mask), and the rollout logprobs laid
+    out per token (``pack_per_token``), as ``engine.batch.build_train_microbatches`` does (its
+    audio and tensor moves are not part of this). Returns the median ms per step and tokens/s."""
+    import torch
+
+    from megatron_grpo.packing import (PackLimits, as_1d, build_rank_microbatches, pack_per_token, plan_step,
+                                       round_up)
+
+    rng = random.Random(seed)
+    cfg = PackLimits(max_tokens_per_microbatch=round_up(budget, pad_multiple), pad_multiple=pad_multiple,
+                     allow_oversized=True)
+    times, tokens = [], []
+    for lengths in step_lengths[:HOST_BUILD_STEPS]:
+        ids = [[rng.randrange(150_000) for _ in range(n)] for n in lengths]
+        masks = [[int(k > n // 2) for k in range(n)] for n in lengths]
+        logps = [[-rng.random() for _ in range(n)] for n in lengths]
+        plan = plan_step(lengths, 1, cfg)
+        t = time.perf_counter()
+        mbs = build_rank_microbatches(plan, 0, ids, masks, cfg)
+        rollout = [as_1d(x, torch.float32) for x in logps]
+        for mb in mbs:
+            pack_per_token(mb, rollout)
+        times.append(time.perf_counter() - t)
+        tokens.append(sum(lengths))
+    ms = 1e3 * statistics.median(times)
+    return {"steps": len(times), "ms_per_step": ms, "tokens_per_step": statistics.mean(tokens),
+            "tokens_per_s": statistics.mean(tokens) / (ms / 1e3)}
+
+
 def _check_cover(ranks, n: int, method: str) -> None:
     seen = sorted(i for mbs in ranks for mb in mbs for i in mb["samples"])
     if seen != list(range(n)):
@@ -194,6 +230,10 @@ def run_bench(out_dir, samples: int = DEFAULT_SAMPLES, steps: int = 20, dp_sizes
                 f"micro-batches/rank {r['microbatches_per_rank']['mean']:6.1f}  "
                 f"imbalance tokens {r['imbalance_tokens']['mean']:.3f} (worst {r['imbalance_tokens']['worst']:.3f})  "
                 f"attn {r['imbalance_attn']['mean']:.3f} (worst {r['imbalance_attn']['worst']:.3f})")
+    res["host_build"] = host_build(step_lengths, budget, pad_multiple, seed)
+    hb = res["host_build"]
+    log(f"[bench packing] host build (dp=1): {hb['ms_per_step']:.1f} ms per step of {hb['tokens_per_step']:.0f} "
+        f"tokens ({hb['tokens_per_s'] / 1e6:.1f}M tokens/s), median of {hb['steps']} steps")
     res["wall_s"] = time.perf_counter() - t0
     argv = sys.argv[3:] if sys.argv[1:3] == ["bench", "packing"] else sys.argv[1:]
     res["command"] = " ".join(["mgrpo", "bench", "packing", *argv])
