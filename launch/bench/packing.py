@@ -34,6 +34,9 @@ Numbers (per method and DP size; "processed" tokens are what the GPUs compute, p
   attention cost, averaged over steps: what the step's time follows (the table shows it relative to
   ours at the same DP size).
 
+* ``host_build``: the packer's own host time per step on one rank (:func:`host_build`: ms per step and
+  tokens/s, the median over the first steps), what the device waits for at a training step's start.
+
 Outputs under ``--out``: ``bench_packing.json`` (every number, per step too) and ``bench_packing.png``.
 """
 from __future__ import annotations
