@@ -157,29 +157,25 @@ HOST_BUILD_STEPS = 5
 
 
 def host_build(step_lengths: list[list[int]], budget: int, pad_multiple: int, seed: int = 0) -> dict:
-    """The packer's host time on one rank (DP 1) per step: ``build_rank_microbatches`` from
-    Python lists, as the rollout hands them (token ids, loss mask), and the rollout logprobs laid
-    out per token (``pack_per_token``), as ``engine.batch.build_train_microbatches`` does (its
-    audio and tensor moves are not part of this). Returns the median ms per step and tokens/s."""
-    import torch
-
-    from megatron_grpo.packing import (PackLimits, as_1d, build_rank_microbatches, pack_per_token, plan_step,
-                                       round_up)
+    """The packer's host time on one rank (DP 1) per step: ``engine.batch.build_train_microbatches``
+    as ``mgrpo train`` calls it, on text-only trajectories whose token ids, loss mask and rollout
+    logprobs are Python lists, as the rollout hands them (the audio's featurising is not part of
+    this). Returns the median ms per step and tokens/s."""
+    from megatron_grpo.engine.batch import build_train_microbatches
+    from megatron_grpo.packing import PackLimits, plan_step, round_up
+    from megatron_grpo.trajectory import Trajectory
 
     rng = random.Random(seed)
     cfg = PackLimits(max_tokens_per_microbatch=round_up(budget, pad_multiple), pad_multiple=pad_multiple,
                      allow_oversized=True)
     times, tokens = [], []
     for lengths in step_lengths[:HOST_BUILD_STEPS]:
-        ids = [[rng.randrange(150_000) for _ in range(n)] for n in lengths]
-        masks = [[int(k > n // 2) for k in range(n)] for n in lengths]
-        logps = [[-rng.random() for _ in range(n)] for n in lengths]
+        trajs = [Trajectory(prompt_index=i, group_id=i, input_ids_T=[rng.randrange(150_000) for _ in range(n)],
+                            loss_mask_T=[int(k > n // 2) for k in range(n)],
+                            rollout_logprobs_T=[-rng.random() for _ in range(n)]) for i, n in enumerate(lengths)]
         plan = plan_step(lengths, 1, cfg)
         t = time.perf_counter()
-        mbs = build_rank_microbatches(plan, 0, ids, masks, cfg)
-        rollout = [as_1d(x, torch.float32) for x in logps]
-        for mb in mbs:
-            pack_per_token(mb, rollout)
+        build_train_microbatches(trajs, plan, 0, cfg)
         times.append(time.perf_counter() - t)
         tokens.append(sum(lengths))
     ms = 1e3 * statistics.median(times)

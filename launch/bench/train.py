@@ -54,9 +54,9 @@ import sys
 import time
 from pathlib import Path
 
+from launch.bench._cli import bench_main, positive_int, pyplot
 from launch.bench._idle import device_timeline
 from launch.bench._syncs import count_syncs
-from launch.bench._cli import bench_main, positive_int, pyplot
 from launch.cli_help import doc_description
 
 __all__ = ["run_bench", "add_parser", "TARGET_VS_STACK_LM", "TARGET_HOST_SHARE"]
