@@ -341,6 +341,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
                     lps = {} if run.kept.wants(step) else None
                     with wd.collective("train_step"):                       # 5. train step
                         train_metrics = train_step(engine, mbs, run.step_cfg, step=step, logprobs_out=lps)
+                    del mbs  # before the next step's build, which then reuses its host memory
                     if lps is not None:
                         with wd.collective("keep_trajectories"):
                             run.kept.keep(step, trajs, lps)

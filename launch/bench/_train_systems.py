@@ -11,8 +11,9 @@ and optimizer) and the same trajectories; each is one "step" over the step's mic
   the step's first forward but for the featurizer's work: what the prefetch saves);
 * ``train_split``: the same calls with syncs between them (and no tower batch started during the
   build), so each part has its time:
-  featurise (inside the build), pack (the build minus featurise, plus ``plan_step`` and the
-  schedule check; each of the three also on its own: ``plan_s``, ``build_s``, ``check_s``),
+  featurise (inside the build), pack (the build minus featurise, every micro-batch assembled, plus
+  ``plan_step`` and the schedule check; each of the three also on its own: ``plan_s``, ``build_s``,
+  ``check_s``; ``train`` assembles each micro-batch when its schedule reads it),
   ``forward_backward``, ``optimizer_update`` (the zeroing of the grads in front
   goes to ``zero_grad``);
 * ``stack``: the layer stack alone on the same micro-batches (already on the device): the token
@@ -66,7 +67,7 @@ class TrainBench:
         self.step_no = 0
         self.lengths = [t.num_tokens for t in trajectories]
         plan = plan_step(self.lengths, 1, packing)
-        self.host_mbs = self._build(plan, [0.0])
+        self.host_mbs = list(self._build(plan, [0.0]))
         self.dev_mbs = [m.to(device) for m in self.host_mbs]
         dtype = next(self.thinker.parameters()).dtype
         g = torch.Generator(device="cpu").manual_seed(0)
@@ -144,6 +145,7 @@ class TrainBench:
         plan = plan_step(self.lengths, 1, self.packing)
         tp = time.perf_counter()
         mbs = self._build(plan, feat)
+        mbs[:]  # every micro-batch assembled here (train's schedule assembles each as it reads it): the whole pack
         _sync(self.device)  # the build's own device work (the micro-batches' feature copies)
         tb = time.perf_counter()
         check_schedule(StepSchedule.from_microbatches(self.step_no, mbs))

@@ -35,7 +35,8 @@ Numbers (per method and DP size; "processed" tokens are what the GPUs compute, p
   ours at the same DP size).
 
 * ``host_build``: the packer's own host time per step on one rank (:func:`host_build`: ms per step and
-  tokens/s, the median over the first steps), what the device waits for at a training step's start.
+  tokens/s, the median over the first steps), and of it the part the device waits for at a training
+  step's start (``ms_to_first``: up to the first micro-batch; the rest runs under the device's work).
 
 Outputs under ``--out``: ``bench_packing.json`` (every number, per step too) and ``bench_packing.png``.
 """
@@ -160,7 +161,11 @@ def host_build(step_lengths: list[list[int]], budget: int, pad_multiple: int, se
     """The packer's host time on one rank (DP 1) per step: ``engine.batch.build_train_microbatches``
     as ``mgrpo train`` calls it, on text-only trajectories whose token ids, loss mask and rollout
     logprobs are Python lists, as the rollout hands them (the audio's featurising is not part of
-    this). Returns the median ms per step and tokens/s."""
+    this). Returns the median ms per step to build and assemble every micro-batch
+    (``ms_per_step``), and of it the part before the schedule can start (``ms_to_first``: the
+    build, which converts and checks every sample, and the first micro-batch's assembly; the
+    others are assembled as the schedule reads them, while the device runs the one before), and
+    tokens/s."""
     from megatron_grpo.engine.batch import build_train_microbatches
     from megatron_grpo.packing import PackLimits, plan_step, round_up
     from megatron_grpo.trajectory import Trajectory
@@ -168,19 +173,25 @@ def host_build(step_lengths: list[list[int]], budget: int, pad_multiple: int, se
     rng = random.Random(seed)
     cfg = PackLimits(max_tokens_per_microbatch=round_up(budget, pad_multiple), pad_multiple=pad_multiple,
                      allow_oversized=True)
-    times, tokens = [], []
+    times, firsts, tokens, counts = [], [], [], []
     for lengths in step_lengths[:HOST_BUILD_STEPS]:
         trajs = [Trajectory(prompt_index=i, group_id=i, input_ids_T=[rng.randrange(150_000) for _ in range(n)],
                             loss_mask_T=[int(k > n // 2) for k in range(n)],
                             rollout_logprobs_T=[-rng.random() for _ in range(n)]) for i, n in enumerate(lengths)]
         plan = plan_step(lengths, 1, cfg)
         t = time.perf_counter()
-        build_train_microbatches(trajs, plan, 0, cfg)
+        mbs = build_train_microbatches(trajs, plan, 0, cfg)
+        mbs[0]
+        firsts.append(time.perf_counter() - t)
+        mbs[:]
         times.append(time.perf_counter() - t)
         tokens.append(sum(lengths))
+        counts.append(len(mbs))
+        del mbs, trajs  # as mgrpo train drops a step's micro-batches before the next step's build
     ms = 1e3 * statistics.median(times)
-    return {"steps": len(times), "ms_per_step": ms, "tokens_per_step": statistics.mean(tokens),
-            "tokens_per_s": statistics.mean(tokens) / (ms / 1e3)}
+    return {"steps": len(times), "ms_per_step": ms, "ms_to_first": 1e3 * statistics.median(firsts),
+            "microbatches": statistics.mean(counts),
+            "tokens_per_step": statistics.mean(tokens), "tokens_per_s": statistics.mean(tokens) / (ms / 1e3)}
 
 
 def _check_cover(ranks, n: int, method: str) -> None:
@@ -232,7 +243,8 @@ def run_bench(out_dir, samples: int = DEFAULT_SAMPLES, steps: int = 20, dp_sizes
     res["host_build"] = host_build(step_lengths, budget, pad_multiple, seed)
     hb = res["host_build"]
     log(f"[bench packing] host build (dp=1): {hb['ms_per_step']:.1f} ms per step of {hb['tokens_per_step']:.0f} "
-        f"tokens ({hb['tokens_per_s'] / 1e6:.1f}M tokens/s), median of {hb['steps']} steps")
+        f"tokens in {hb['microbatches']:.1f} micro-batches ({hb['tokens_per_s'] / 1e6:.1f}M tokens/s), "
+        f"{hb['ms_to_first']:.1f} ms of it before the first micro-batch can run; median of {hb['steps']} steps")
     res["wall_s"] = time.perf_counter() - t0
     argv = sys.argv[3:] if sys.argv[1:3] == ["bench", "packing"] else sys.argv[1:]
     res["command"] = " ".join(["mgrpo", "bench", "packing", *argv])

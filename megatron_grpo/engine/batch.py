@@ -18,6 +18,13 @@ A :class:`TrainMicroBatch` holds, on the CPU until :meth:`TrainMicroBatch.to`:
   (``model_bridge.modeling.shared_audio``); with ``keep_shared > 0`` (the default) every clip is,
   so the tower runs on batches of several micro-batches' clips.
 
+``build_train_microbatches`` returns a :class:`StepMicroBatches`: everything that can fail on the
+input (each sample's lists converted and their lengths checked, the audio featurised and its token
+counts checked) happens in the call, and each micro-batch's tensors are assembled when it is first
+read, so the device starts on the first micro-batch while the host assembles the next ones; what the
+step needs up front (token and loss-token counts, clips) is in its ``infos``
+(:class:`MicroBatchInfo`), known without assembling anything.
+
 Features are computed per sample (by default each clip on its own, as vLLM featurised it for the
 rollout: ``megatron_grpo.data.features``), so a sample's features never depend on which samples
 share its micro-batch, and each clip's token count is checked against the sample's
@@ -25,6 +32,7 @@ share its micro-batch, and each clip's token count is checked against the sample
 """
 from __future__ import annotations
 
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence, Union
 
@@ -32,13 +40,13 @@ import numpy as np
 import torch
 
 from megatron_grpo.host_ranges import host_range
-from megatron_grpo.packing import (MicroBatch, PackLimits, PackPlan, as_1d, build_rank_microbatches,
-                                   pack_per_token, to_device)
+from megatron_grpo.packing import (MicroBatch, PackLimits, PackPlan, as_1d, build_microbatch, pack_per_token,
+                                   to_device)
 from model_bridge.modeling.audio import TOKENS_PER_FULL_CHUNK
 from model_bridge.modeling.shared_audio import ClipUse, SharedClips, frame_batches
 
-__all__ = ["TrainMicroBatch", "Featurizer", "build_train_microbatches", "featurizer_from_extractor",
-           "padding_summary", "reset_shared_clips"]
+__all__ = ["TrainMicroBatch", "MicroBatchInfo", "StepMicroBatches", "Featurizer", "build_train_microbatches",
+           "featurizer_from_extractor", "microbatch_infos", "padding_summary", "reset_shared_clips"]
 
 Featurizer = Callable[[Sequence[np.ndarray]], tuple[torch.Tensor, torch.Tensor]]
 """waveforms (16 kHz float mono, one per clip) -> (features [M, F_total], feature_lens [A]). Each clip is
@@ -177,6 +185,89 @@ class TrainMicroBatch:
                        routed_experts_TLK=mv(self.routed_experts_TLK))
 
 
+@dataclass(frozen=True)
+class MicroBatchInfo:
+    """What a step needs to know of a micro-batch before any micro-batch runs (the ranks' agreement,
+    the loss's normalisers, the schedule's length, the shared clips), known without assembling it."""
+
+    num_tokens: int
+    """T, padding included."""
+    num_real_tokens: int
+    """Tokens of its samples."""
+    sample_ids: tuple[int, ...]
+    """Global ids of its samples, in packing order."""
+    loss_tokens: int
+    """Tokens under the loss mask."""
+    loss_samples: int
+    """Samples with at least one token under the loss mask."""
+    num_clips: int
+    """Audio clips in its tokens, shared ones included (``TrainMicroBatch.num_clips``)."""
+    clip_use: Optional[ClipUse] = None
+    """``TrainMicroBatch.clip_use``."""
+    has_old_logprobs: bool = False
+    """Whether it carries ``old_logprobs_T``."""
+    has_ref_logprobs: bool = False
+    """Whether it carries ``ref_logprobs_T``."""
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.sample_ids)
+
+    @property
+    def is_padding(self) -> bool:
+        return not self.sample_ids
+
+    @classmethod
+    def of(cls, tmb: TrainMicroBatch) -> "MicroBatchInfo":
+        """The info of an assembled micro-batch (reads its mask: a device sync for a device one)."""
+        mask_T = tmb.loss_mask_T.to(torch.bool)
+        sid_T = tmb.sample_index_T
+        return cls(num_tokens=tmb.num_tokens, num_real_tokens=tmb.mb.num_real_tokens, sample_ids=tmb.sample_ids,
+                   loss_tokens=int(mask_T.sum()), loss_samples=int(torch.unique(sid_T[mask_T & (sid_T >= 0)]).numel()),
+                   num_clips=tmb.num_clips, clip_use=tmb.clip_use, has_old_logprobs=tmb.old_logprobs_T is not None,
+                   has_ref_logprobs=tmb.ref_logprobs_T is not None)
+
+
+class StepMicroBatches(SequenceABC):
+    """One rank's micro-batches of a step (what :func:`build_train_microbatches` returns): each is
+    assembled the first time it is read and kept, so a schedule that reads them one by one has the
+    host assemble micro-batch k+1 while the device runs micro-batch k. ``infos`` holds their
+    :class:`MicroBatchInfo` from the start."""
+
+    def __init__(self, infos: Sequence[MicroBatchInfo], assemble: Callable[[int], TrainMicroBatch]):
+        self.infos = tuple(infos)
+        self._assemble = assemble
+        self._made: dict[int, TrainMicroBatch] = {}
+
+    def __len__(self) -> int:
+        return len(self.infos)
+
+    def __getitem__(self, k):
+        if isinstance(k, slice):
+            return [self[j] for j in range(*k.indices(len(self)))]
+        k = range(len(self.infos))[k]  # negative indices; IndexError past the end ends iteration
+        made = self._made.get(k)
+        if made is None:
+            made = self._made[k] = self._assemble(k)
+            info = self.infos[k]
+            if (made.num_tokens, made.sample_ids) != (info.num_tokens, info.sample_ids):
+                raise RuntimeError(f"micro-batch {k} was assembled with {made.num_tokens} tokens of samples "
+                                   f"{made.sample_ids}, its info says {info.num_tokens} of {info.sample_ids}")
+        return made
+
+    @property
+    def assembled(self) -> int:
+        """How many of them have been assembled so far."""
+        return len(self._made)
+
+
+def microbatch_infos(microbatches: Sequence[TrainMicroBatch]) -> tuple[MicroBatchInfo, ...]:
+    """The :class:`MicroBatchInfo` of each micro-batch: a :class:`StepMicroBatches`' own (nothing is
+    assembled), else read from the micro-batches."""
+    infos = getattr(microbatches, "infos", None)
+    return tuple(infos) if infos is not None else tuple(MicroBatchInfo.of(m) for m in microbatches)
+
+
 # --------------------------------------------------------------------------------------------
 # features
 # --------------------------------------------------------------------------------------------
@@ -290,7 +381,8 @@ def reset_shared_clips(microbatches: Sequence["TrainMicroBatch"], training: bool
     """Before a pass over ``microbatches``: drop the shared clips' cached tower output (the weights
     may have changed since the last one), but for a pass with autograd (``training``) the batches
     ``build_train_microbatches(audio_tower=...)`` ran ahead for it (``SharedClips.begin_pass``)."""
-    for shared in {id(m.clip_use.shared): m.clip_use.shared for m in microbatches if m.clip_use}.values():
+    infos = getattr(microbatches, "infos", microbatches)  # a StepMicroBatches is not assembled for this
+    for shared in {id(m.clip_use.shared): m.clip_use.shared for m in infos if m.clip_use}.values():
         shared.begin_pass(training)
 
 
@@ -299,8 +391,10 @@ def build_train_microbatches(trajectories: Sequence, plan: PackPlan, dp_rank: in
                              feature_extractor=None, n_window: int = 50,
                              ref_logprobs_by_sample: Optional[Sequence[torch.Tensor]] = None,
                              routes: bool = False, share_clips: bool = True,
-                             keep_shared: float = 0.5, audio_tower=None) -> list[TrainMicroBatch]:
-    """The :class:`TrainMicroBatch` list of DP rank ``dp_rank`` under ``plan``.
+                             keep_shared: float = 0.5, audio_tower=None) -> StepMicroBatches:
+    """The micro-batches of DP rank ``dp_rank`` under ``plan``, a :class:`StepMicroBatches`: the
+    input is converted, checked and featurised in this call; each :class:`TrainMicroBatch` is
+    assembled when first read (R3's ``routes``: all of them in this call, which checks their shapes).
 
     ``trajectories[i]`` is global sample i (``megatron_grpo.trajectory.Trajectory``; the same list
     and order on every rank, as ``plan`` was made from their lengths). ``advantages_N`` (float
@@ -388,36 +482,65 @@ def build_train_microbatches(trajectories: Sequence, plan: PackPlan, dp_rank: in
     if audio_tower is not None and uses and uses[0] is not None:
         with host_range("prefetch_tower"):
             uses[0].prefetch(audio_tower)
-    with host_range("pack"):
-        ids = {i: trajectories[i].input_ids_T for i in mine}  # the packer makes them tensors (packing.as_1d)
-        masks = {i: trajectories[i].loss_mask_T for i in mine}
-        mbs = build_rank_microbatches(plan, dp_rank, ids, masks, config)
-        rollout = {i: as_1d(trajectories[i].rollout_logprobs_T, torch.float32, f"rollout logprobs of sample {i}")
-                   for i in mine}
-        refs = None if ref_logprobs_by_sample is None else [torch.as_tensor(r, dtype=torch.float32)
-                                                            for r in ref_logprobs_by_sample]
-        out = []
-        for mb, (feats, lens, _), use in zip(mbs, per_mb, uses):
-            rollout_T = pack_per_token(mb, rollout)
-            sid = mb.sample_index_T
-            adv_T = torch.where(sid >= 0, advantages_N[sid.clamp(min=0)], torch.zeros(sid.shape, dtype=torch.float32))
-            ref_T = None if refs is None else pack_per_token(mb, refs).to(torch.float32)
-            routes_TLK = None
-            if routes:
-                from megatron_grpo.engine.routes import pack_routes
-                routes_TLK = pack_routes(mb, trajectories)
-            out.append(TrainMicroBatch(
-                mb=mb, rollout_logprobs_T=rollout_T.to(torch.float32), advantages_T=adv_T,
-                audio_features=torch.cat(feats, dim=1) if feats else None,
-                audio_feature_lens=torch.cat(lens) if lens else None, ref_logprobs_T=ref_T,
-                routed_experts_TLK=routes_TLK, clip_use=use))
+    with host_range("pack"):  # every check on the input here, before any micro-batch runs (hang invariant)
+        tokens = {i: _sample_tokens(i, trajectories[i]) for i in mine}  # (ids, mask, rollout logprobs)
+        refs = None if ref_logprobs_by_sample is None else \
+            {i: _per_token(ref_logprobs_by_sample[i], len(tokens[i][0]), f"reference logprobs of sample {i}")
+             for i in mine}
+        loss = {i: int(tokens[i][1].sum()) for i in mine}
+        infos = [MicroBatchInfo(num_tokens=t, num_real_tokens=sum(plan.lengths[i] for i in ids),
+                                sample_ids=ids, loss_tokens=sum(loss[i] for i in ids),
+                                loss_samples=sum(1 for i in ids if loss[i]), num_clips=len(order), clip_use=use,
+                                has_ref_logprobs=refs is not None)
+                 for ids, t, (_, _, order), use in zip(mb_ids, plan.microbatch_tokens(dp_rank), per_mb, uses)]
+
+    from megatron_grpo.engine.routes import pack_routes
+
+    @host_range("pack")
+    def assemble(k: int) -> TrainMicroBatch:
+        mine_k = {i: tokens.pop(i) for i in mb_ids[k]}  # a sample is in one micro-batch: its parts go with it
+        mb = build_microbatch(mb_ids[k], {i: t[0] for i, t in mine_k.items()}, {i: t[1] for i, t in mine_k.items()},
+                              config)
+        sid = mb.sample_index_T
+        adv_T = torch.where(sid >= 0, advantages_N[sid.clamp(min=0)], torch.zeros(sid.shape, dtype=torch.float32))
+        feats, lens, _ = per_mb[k]
+        return TrainMicroBatch(
+            mb=mb, rollout_logprobs_T=pack_per_token(mb, {i: t[2] for i, t in mine_k.items()}), advantages_T=adv_T,
+            audio_features=torch.cat(feats, dim=1) if feats else None,
+            audio_feature_lens=torch.cat(lens) if lens else None,
+            ref_logprobs_T=None if refs is None else pack_per_token(mb, refs),
+            routed_experts_TLK=pack_routes(mb, trajectories) if routes else None, clip_use=uses[k])
+
+    out = StepMicroBatches(infos, assemble)
+    if routes:
+        out[:]  # the routes' shapes are checked against their samples here, before any micro-batch runs
     return out
+
+
+def _per_token(values, num_tokens: int, what: str) -> torch.Tensor:
+    """One sample's per-token float values as a float32 host tensor of ``num_tokens`` (``what`` names them)."""
+    t = as_1d(values, torch.float32, what)
+    if t.numel() != num_tokens:
+        raise ValueError(f"{what}: {t.numel()} values for {num_tokens} tokens")
+    return t
+
+
+def _sample_tokens(i: int, traj) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sample i's token ids (int64), loss mask (bool) and rollout logprobs (float32) as host
+    tensors, checked to have one entry per token."""
+    ids = as_1d(traj.input_ids_T, torch.int64, f"input ids of sample {i}")
+    mask = as_1d(traj.loss_mask_T, torch.bool, f"loss mask of sample {i}")
+    if ids.numel() == 0 or ids.shape != mask.shape:
+        raise ValueError(f"sample {i}: {ids.numel()} token ids and {mask.numel()} mask entries "
+                         "(need the same positive number)")
+    return ids, mask, _per_token(traj.rollout_logprobs_T, ids.numel(), f"rollout logprobs of sample {i}")
 
 
 def padding_summary(microbatches: Sequence[TrainMicroBatch]) -> dict[str, float]:
     """Local counts for the step log: tokens computed, real tokens, loss tokens, samples, clips."""
-    return {"tokens_total": float(sum(m.num_tokens for m in microbatches)),
-            "tokens_real": float(sum(m.mb.num_real_tokens for m in microbatches)),
-            "tokens_loss": float(sum(int(m.loss_mask_T.sum()) for m in microbatches)),
-            "samples": float(sum(m.mb.num_samples for m in microbatches)),
-            "audio_clips": float(sum(m.num_clips for m in microbatches))}
+    infos = microbatch_infos(microbatches)
+    return {"tokens_total": float(sum(m.num_tokens for m in infos)),
+            "tokens_real": float(sum(m.num_real_tokens for m in infos)),
+            "tokens_loss": float(sum(m.loss_tokens for m in infos)),
+            "samples": float(sum(m.num_samples for m in infos)),
+            "audio_clips": float(sum(m.num_clips for m in infos))}

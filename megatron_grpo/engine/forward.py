@@ -1,8 +1,9 @@
 """Run packed micro-batches through megatron's schedule; no-grad logprobs for the old / reference policy.
 
 ``run_schedule`` is the one place that calls megatron-core's ``get_forward_backward_func()``
-(no pipelining, or 1F1B under PP) with our forward step: each :class:`TrainMicroBatch` is moved to
-the device and fed to the thinker as ``input_ids [1, T]``, ``position_ids [3, 1, T]``, a THD
+(no pipelining, or 1F1B under PP) with our forward step: each :class:`TrainMicroBatch`, read when
+the schedule asks for it (a ``StepMicroBatches`` assembles it then, while the device still runs the
+previous one), is moved to the device and fed to the thinker as ``input_ids [1, T]``, ``position_ids [3, 1, T]``, a THD
 ``PackedSeqParams`` over its ``cu_seqlens_S`` and its audio (the thinker runs its dummy clip when
 there is none). On the last pipeline stage the logits ``[T, 1, Vp/tp]`` go to the given loss
 function; under a ``Float16Module`` they stay in bf16 (``fp32_output=False``): the logprob code
@@ -147,8 +148,9 @@ def run_schedule(model, microbatches: Sequence[TrainMicroBatch], loss_for: Calla
     fb = get_forward_backward_func()
     kw = dict(forward_step_func=partial(_forward_step, has_float16_wrapper(chunks[0]), bool(fused_lm_head), loss_for,
                                         graphs=None if forward_only else graphs, routes=routes),
-              data_iterator=iter(list(microbatches)), model=chunks, num_microbatches=len(microbatches),
-              seq_length=max(m.num_tokens for m in microbatches), micro_batch_size=1, forward_only=forward_only)
+              data_iterator=iter(microbatches), model=chunks, num_microbatches=len(microbatches),
+              seq_length=max(m.num_tokens for m in getattr(microbatches, "infos", microbatches)), micro_batch_size=1,
+              forward_only=forward_only)
     if force_all_reduce:
         if "force_all_reduce" not in inspect.signature(fb).parameters:
             raise NotImplementedError("this megatron-core's schedule has no force_all_reduce")

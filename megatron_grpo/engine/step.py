@@ -1,8 +1,10 @@
 """One GRPO training step: megatron's schedule over the packed micro-batches, then a guarded update.
 
 ``train_step(engine, microbatches, config)`` on every rank, with this rank's
-:class:`~megatron_grpo.engine.batch.TrainMicroBatch` list (the same count on every rank, hang
-invariant 1), does:
+:class:`~megatron_grpo.engine.batch.TrainMicroBatch` es (the same count on every rank, hang
+invariant 1; ``build_train_microbatches``' ``StepMicroBatches``, whose counts steps 1-3 read from
+its ``infos`` and whose micro-batches the schedule assembles one by one as it reads them, or a
+list), does:
 
 1. **Agree** (one all-reduce over the world): every rank has the same number of micro-batches and
    none found a local problem (e.g. a KL term without reference logprobs); otherwise every rank
@@ -67,7 +69,7 @@ from megatron_grpo.algo.segments import packed_segment_ids
 from megatron_grpo.algo.sft import sft_loss
 from megatron_grpo.host_ranges import host_range
 
-from .batch import TrainMicroBatch
+from .batch import MicroBatchInfo, TrainMicroBatch, microbatch_infos
 from .forward import DEFAULT_FUSED_LM_HEAD, fill_old_logprobs, is_last_stage, model_device, run_schedule
 from .logprobs import DEFAULT_CHUNK_TOKENS, token_logprobs
 from .nonfinite import NonFiniteGradError, NonFiniteSkips, log_nonfinite
@@ -217,35 +219,34 @@ def _reduce_metrics_dp_pp(local: dict[str, torch.Tensor]) -> dict[str, float]:
 # --------------------------------------------------------------------------------------------
 
 
-def _validate(engine, microbatches: Sequence[TrainMicroBatch], config: StepConfig) -> Optional[str]:
+def _validate(engine, infos: Sequence[MicroBatchInfo], config: StepConfig) -> Optional[str]:
     """A local problem that would make only this rank fail inside the schedule (message), or None."""
     layout = engine.layout
-    for k, m in enumerate(microbatches):
+    for k, m in enumerate(infos):
         if layout.sequence_parallel and m.num_tokens % layout.tp:
             return (f"micro-batch {k} has {m.num_tokens} tokens, not a multiple of tp={layout.tp} (sequence "
                     f"parallelism): pack with PackLimits(pad_multiple={layout.tp})")
-        if is_last_stage() and config.loss.kl_coef > 0 and m.ref_logprobs_T is None:
+        if is_last_stage() and config.loss.kl_coef > 0 and not m.has_ref_logprobs:
             return (f"micro-batch {k} has no ref_logprobs_T but loss.kl_coef={config.loss.kl_coef} > 0: fill them "
                     "with engine.forward.fill_ref_logprobs(ref_model, microbatches, ...)")
     return None
 
 
-def _keep_masks(microbatches: Sequence[TrainMicroBatch], config: StepConfig) -> list[torch.Tensor]:
-    """Loss tokens that stay in the loss: all of them, or (MIS) those IS does not reject."""
-    out = []
+def _uses_mis(config: StepConfig) -> bool:
+    return config.importance.mode == "mis" and config.objective == "grpo"
+
+
+def _kept_by_mis(microbatches: Sequence[TrainMicroBatch], config: StepConfig) -> tuple[int, int]:
+    """Loss tokens and samples that masked IS does not reject (it needs every micro-batch's old
+    logprobs, so the micro-batches are all assembled by now)."""
+    tokens = samples = 0
     for m in microbatches:
-        mask = m.loss_mask_T.to(torch.bool)
-        if config.importance.mode == "mis" and config.objective == "grpo":
-            res = importance_weights(m.old_logprobs_T, m.rollout_logprobs_T, mask, m.sample_index_T,
-                                     config=config.importance)
-            mask = res.keep_mask_T
-        out.append(mask)
-    return out
-
-
-def _count_samples(keep_T: torch.Tensor, sample_index_T: torch.Tensor) -> int:
-    ids = sample_index_T[keep_T & (sample_index_T >= 0)]
-    return int(torch.unique(ids).numel())
+        keep_T = importance_weights(m.old_logprobs_T, m.rollout_logprobs_T, m.loss_mask_T.to(torch.bool),
+                                    m.sample_index_T, config=config.importance).keep_mask_T
+        ids = m.sample_index_T[keep_T & (m.sample_index_T >= 0)]
+        tokens += int(keep_T.sum())
+        samples += int(torch.unique(ids).numel())
+    return tokens, samples
 
 
 def audio_prefetch_tower(engine, config: StepConfig):
@@ -334,13 +335,12 @@ def forward_backward(engine, microbatches: Sequence[TrainMicroBatch], config: St
     everything with ``force_all_reduce``). Does not zero the grads first (``train_step`` does)."""
     from megatron.core import parallel_state as ps
 
-    microbatches = list(microbatches)
-    M = len(microbatches)
+    infos = microbatch_infos(microbatches)  # a StepMicroBatches assembles each one when the schedule reads it
+    M = len(infos)
     # MIS needs the behaviour logprobs before counting; only the last stage holds them, so every
     # rank learns from the same all-reduce whether the extra forward pass runs (else PP would hang)
-    missing_old = config.importance.mode == "mis" and config.objective == "grpo" and is_last_stage() and \
-        any(m.old_logprobs_T is None for m in microbatches)
-    need_old = _agree(_validate(engine, microbatches, config), M, missing_old) or config.routing_replay == "r2"
+    missing_old = _uses_mis(config) and is_last_stage() and any(not m.has_old_logprobs for m in infos)
+    need_old = _agree(_validate(engine, infos, config), M, missing_old) or config.routing_replay == "r2"
     if M == 0:
         raise StepError("this step has no micro-batches on any rank: nothing to train")
     if need_old:
@@ -355,17 +355,15 @@ def forward_backward(engine, microbatches: Sequence[TrainMicroBatch], config: St
         # global normalisers and step counts (the last stage counts; every stage learns them)
         mine = dict.fromkeys(_STEP_COUNTS, 0.0)
         if is_last_stage():
-            keeps = _keep_masks(microbatches, config)
+            loss_tokens, loss_samples = sum(m.loss_tokens for m in infos), sum(m.loss_samples for m in infos)
+            kept_tokens, kept_samples = _kept_by_mis(microbatches, config) if _uses_mis(config) else \
+                (loss_tokens, loss_samples)
             mine.update(
-                kept_tokens=float(sum(int(k.sum()) for k in keeps)),
-                kept_samples=float(sum(_count_samples(k, m.sample_index_T) for k, m in zip(keeps, microbatches))),
-                loss_tokens=float(sum(int(m.loss_mask_T.sum()) for m in microbatches)),
-                loss_samples=float(sum(_count_samples(m.loss_mask_T.bool(), m.sample_index_T) for m in microbatches)),
-                tokens_total=float(sum(m.num_tokens for m in microbatches)),
-                tokens_real=float(sum(m.mb.num_real_tokens for m in microbatches)),
-                audio_clips=float(sum(m.num_clips for m in microbatches)),
-                samples=float(sum(m.mb.num_samples for m in microbatches)),
-                empty_microbatches=float(sum(1 for m in microbatches if m.is_padding)))
+                kept_tokens=float(kept_tokens), kept_samples=float(kept_samples), loss_tokens=float(loss_tokens),
+                loss_samples=float(loss_samples), tokens_total=float(sum(m.num_tokens for m in infos)),
+                tokens_real=float(sum(m.num_real_tokens for m in infos)),
+                audio_clips=float(sum(m.num_clips for m in infos)), samples=float(sum(m.num_samples for m in infos)),
+                empty_microbatches=float(sum(1 for m in infos if m.is_padding)))
         reduced = _reduce_last_stage_dp_then_share(torch.tensor([mine[k] for k in _STEP_COUNTS], dtype=torch.float64))
         counts = {k: float(v) for k, v in zip(_STEP_COUNTS, reduced.tolist())}
         norms = {"tokens": counts["kept_tokens"], "samples": counts["kept_samples"], "loss_tokens": counts["loss_tokens"],

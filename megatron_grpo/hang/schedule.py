@@ -66,9 +66,10 @@ class StepSchedule:
     @classmethod
     def from_microbatches(cls, step: int, microbatches: Sequence[Any]) -> "StepSchedule":
         """From micro-batch objects: T from ``num_tokens`` (or ``input_ids_T``/``input_ids``), clips from
-        ``num_clips`` / ``num_audio_clips``, ``audio_feature_lens`` (its length) or ``has_audio`` when present, else 0."""
+        ``num_clips`` / ``num_audio_clips``, ``audio_feature_lens`` (its length) or ``has_audio`` when present, else 0.
+        A sequence with ``infos`` (``engine.batch.StepMicroBatches``) is read through them, unassembled."""
         toks, audio = [], []
-        for mb in microbatches:
+        for mb in getattr(microbatches, "infos", microbatches):
             if hasattr(mb, "num_tokens"):
                 toks.append(int(mb.num_tokens))
             else:

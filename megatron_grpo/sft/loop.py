@@ -113,6 +113,7 @@ def sft(cfg: TrainConfig, resume: bool = False) -> int:
                     check_schedule(StepSchedule.from_microbatches(step, mbs))
                     with wd.collective("train_step"):
                         m = train_step(engine, mbs, step_cfg, step=step)
+                    del mbs  # before the next step's build, which then reuses its host memory
                     m["padding_fraction"] = plan.padding_fraction
                     m["time/step"] = time.monotonic() - t0
                     if logger:

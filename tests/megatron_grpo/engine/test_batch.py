@@ -25,20 +25,25 @@ def test_pooled_batches_cut_at_micro_batches_and_keep_the_local_ones():
     assert _pooled_batches(span, lens, local_frames=50, max_frames=100)[0] == [[0, 2], [3], [4, 5], [7], [1], [6]]
 
 
+def _step(tiny_ckpt, dp: int):
+    """The test step's trajectories (rollout logprobs -1 on the loss tokens), their plan over ``dp``
+    ranks, the packing limits and the featurizer."""
+    from megatron_grpo.packing import PackLimits, plan_step
+
+    trajs = make_data(str(tiny_ckpt))["trajectories"]
+    for t in trajs:
+        t.rollout_logprobs_T = [-1.0 * m for m in t.loss_mask_T]
+    cfg = PackLimits(max_tokens_per_microbatch=BUDGET, pad_multiple=2)
+    return trajs, plan_step([t.num_tokens for t in trajs], dp, cfg), cfg, _featurizer(str(tiny_ckpt))
+
+
 def test_build_train_microbatches_layout_and_audio_count_check(tiny_ckpt):
     """Micro-batch fields line up with the packer; a wrong audio token count names the sample."""
     import dataclasses
 
     from megatron_grpo.engine.batch import build_train_microbatches
-    from megatron_grpo.packing import PackLimits, plan_step
 
-    data = make_data(str(tiny_ckpt))
-    trajs = data["trajectories"]
-    for t in trajs:
-        t.rollout_logprobs_T = [-1.0 * m for m in t.loss_mask_T]
-    cfg = PackLimits(max_tokens_per_microbatch=BUDGET, pad_multiple=2)
-    plan = plan_step([t.num_tokens for t in trajs], 2, cfg)
-    featurize = _featurizer(str(tiny_ckpt))
+    trajs, plan, cfg, featurize = _step(tiny_ckpt, 2)
     pooled = build_train_microbatches(trajs, plan, 0, cfg, featurize=featurize)[0]  # keep_shared 0.5
     assert pooled.audio_features is None and pooled.clip_use.order == (-1, -2) and pooled.clip_use.last == (0,)
     assert pooled.clip_use.shared.lens == [f.shape[-1] for f in pooled.clip_use.shared.features_MF]
@@ -60,3 +65,36 @@ def test_build_train_microbatches_layout_and_audio_count_check(tiny_ckpt):
                                                                  trajs[0].audio_token_counts[1]])
     with pytest.raises(ValueError, match=r"sample 0 \(prompt 0\): its clips give"):
         build_train_microbatches(wrong, plan, 0, cfg, featurize=featurize)
+
+
+def test_microbatches_are_checked_when_built_and_assembled_when_read(tiny_ckpt):
+    """``build_train_microbatches`` assembles nothing; each micro-batch's info (what the step reads
+    before the schedule) is what the assembled micro-batch says; bad per-token input fails in the
+    build, naming the sample, not later inside the schedule."""
+    import dataclasses
+
+    from megatron_grpo.engine.batch import MicroBatchInfo, build_train_microbatches, microbatch_infos
+    from megatron_grpo.hang import StepSchedule
+
+    trajs, plan, cfg, featurize = _step(tiny_ckpt, 1)
+    for keep in (0.5, 0.0):  # every clip pooled / each micro-batch's clips its own
+        mbs = build_train_microbatches(trajs, plan, 0, cfg, featurize=featurize, keep_shared=keep)
+        assert len(mbs) == plan.num_microbatches >= 2 and mbs.assembled == 0
+        schedule = StepSchedule.from_microbatches(1, mbs)  # read through the infos
+        assert mbs.assembled == 0
+        assert mbs[-1] is mbs[len(mbs) - 1] and mbs.assembled == 1  # kept once assembled
+        assembled = list(mbs)
+        assert mbs.assembled == len(mbs)
+        assert microbatch_infos(mbs) == tuple(MicroBatchInfo.of(m) for m in assembled)
+        assert schedule == StepSchedule.from_microbatches(1, assembled)
+        assert sum(i.loss_tokens for i in mbs.infos) == sum(sum(t.loss_mask_T) for t in trajs)
+        assert [m.sample_ids for m in mbs[0:2]] == [i.sample_ids for i in mbs.infos[:2]]
+
+    for field, value, message in (
+            ("rollout_logprobs_T", lambda t: t.rollout_logprobs_T[:-1],
+             rf"rollout logprobs of sample 1: {trajs[1].num_tokens - 1} values for {trajs[1].num_tokens} tokens"),
+            ("input_ids_T", lambda t: t.input_ids_T[:-1] + ["x"], "could not convert|invalid literal")):
+        bad = list(trajs)
+        bad[1] = dataclasses.replace(trajs[1], **{field: value(trajs[1])})
+        with pytest.raises(ValueError, match=message):
+            build_train_microbatches(bad, plan, 0, cfg, featurize=featurize)

@@ -314,7 +314,8 @@ def sft_run(hf_dir: str, data: dict, tp: int, ep: int) -> dict:
 
 def aux_and_skips_run(hf_dir: str, data: dict) -> dict:
     """World 1: the MoE aux loss reaches the gradient (linear in its coefficient, only upstream of
-    the router); compute_logprobs + MIS give ratio 1 exactly; a non-finite update is skipped, too many raise."""
+    the router); the schedule assembles each micro-batch as it reads it; compute_logprobs + MIS give
+    ratio 1 exactly; a non-finite update is skipped, too many raise."""
     import dataclasses
 
     from megatron_grpo.engine.forward import fill_old_logprobs
@@ -334,6 +335,23 @@ def aux_and_skips_run(hf_dir: str, data: dict) -> dict:
         metrics = forward_backward(engine, mbs, cfg)
         out["aux"][coeff] = {"grads": hf_tensors(engine.model, spec, "grad"), "metrics": metrics}
     engine.config.moe_aux_loss_coeff = 0.0
+
+    # a fresh step's micro-batches are assembled one at a time as the schedule reads them (the k-th
+    # forward finds k assembled), and the step is the same as over the assembled list
+    _, fresh = _rank_microbatches(engine, hf_dir, data)
+    seen = [fresh.assembled]
+    hook = engine.model[0].register_forward_pre_hook(lambda module, args: seen.append(fresh.assembled))
+    for m in engine.model:
+        m.zero_grad_buffer()
+    lazy = forward_backward(engine, fresh, cfg)
+    hook.remove()
+    lazy_grads = hf_tensors(engine.model, spec, "grad")
+    for m in engine.model:
+        m.zero_grad_buffer()
+    plain = forward_backward(engine, list(fresh), cfg)
+    plain_grads = hf_tensors(engine.model, spec, "grad")
+    out["lazy"] = {"seen": seen, "count": len(fresh), "loss": (lazy["loss"], plain["loss"]),
+                   "grads_differ": sorted(k for k in plain_grads if not torch.equal(plain_grads[k], lazy_grads[k]))}
 
     # old logprobs from the no-grad pass == the training forward's: MIS keeps everything, ratio == 1
     filled = fill_old_logprobs(engine.model, mbs, vocab_size=spec.text.vocab_size, chunk_size=64)
@@ -544,6 +562,10 @@ def test_moe_aux_loss_reaches_router_grads_and_nonfinite_skips(tiny_ckpt, data, 
     assert downstream_change == 0.0
     assert out["aux"][0.1]["metrics"]["moe_load_balancing_loss"] > 0
     assert "moe_load_balancing_loss" not in out["aux"][0.0]["metrics"]
+
+    lazy = out["lazy"]
+    assert lazy["count"] >= 2 and lazy["seen"] == list(range(lazy["count"] + 1)), lazy
+    assert lazy["loss"][0] == lazy["loss"][1] and not lazy["grads_differ"], lazy
 
     mis = out["mis"]
     assert abs(mis["ratio_max"] - 1.0) < 1e-6 and abs(mis["ratio_min"] - 1.0) < 1e-6, mis
