@@ -12,11 +12,12 @@ __all__ = ["DefaultsHelpFormatter", "doc_description", "show_defaults", "file_in
 
 class DefaultsHelpFormatter(argparse.HelpFormatter):
     """argparse's help, with an option's default in its help line where the help does not already
-    say it (a None or False default says nothing)."""
+    say it (a None, False or empty-string default says nothing)."""
 
     def _get_help_string(self, action):
         text = action.help or ""
-        silent = action.default is None or action.default is False or action.default == argparse.SUPPRESS  # not 0
+        silent = action.default is None or action.default is False or action.default == "" or \
+            action.default == argparse.SUPPRESS  # not 0
         if "default" not in text and not silent and action.option_strings:
             text += " (default: %(default)s)"
         return text

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
+from launch.bench._cli import naming_results
 from launch.cli_help import doc_description
 
 __all__ = ["add_bench_parser", "KINDS"]
@@ -41,6 +42,6 @@ def add_bench_parser(sub) -> argparse.ArgumentParser:
                        description=doc_description(__doc__))
     bsub = p.add_subparsers(dest="bench_kind", metavar="{" + ",".join(KINDS) + "}")
     bsub.required = True
-    for module in KINDS.values():
-        importlib.import_module(module).add_parser(bsub)
+    for kind, module in KINDS.items():
+        naming_results(kind, importlib.import_module(module).add_parser(bsub))
     return p

@@ -188,7 +188,6 @@ def run_bench(out_dir, prompts=4, generations=8, minutes=20.0, crop_seconds=220.
         print(f"model {m['prompts']}x{m['generations']} on {m['ranks']} ranks (DP {m['dp']}): broadcast "
               f"{gib(m['broadcast_bytes_per_rank']):.1f} GiB/rank, to_ranks max {gib(m['to_ranks_bytes_per_rank_max']):.1f} "
               f"GiB/rank ({m['recordings_per_rank_max']} recordings)")
-    print(f"wrote {out / 'bench_to_ranks.json'}")
     return res
 
 

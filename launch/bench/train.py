@@ -82,10 +82,12 @@ def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16
     from megatron_grpo.data.device_features import trainer_featurizer
     from megatron_grpo.engine.setup import build_engine
     from megatron_grpo.engine.step import StepConfig
+    from megatron_grpo.notices import quiet_known_notices
     from megatron_grpo.packing import PackLimits
     from model_bridge.config import ParallelLayout
     from model_bridge.parallel import destroy_parallel, init_parallel
 
+    quiet_known_notices()  # as mgrpo train: the library notices we knowingly live with stay out of the output
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(work_dir) if work_dir else out
@@ -313,9 +315,10 @@ def _print_table(res: dict) -> None:
           f"{res['audio_clips']} clips ({res['audio_seconds']:.0f} s of audio), {res['device']}, "
           f"features on the {res['featurizer']}, cuda graphs "
           f"{res['graph_buckets'] if res['cuda_graphs'] else _graphs_off(res)}")
+    width = max(map(len, s), default=0)
     for n, v in s.items():
         t = v.get("phase_s_median", v.get("step_s_median"))
-        print(f"  {n:12s} {t * 1e3:10.1f} ms  {v.get('tok_per_s', 0):12.0f} tok/s")
+        print(f"  {n:{width}s} {t * 1e3:10.1f} ms  {v.get('tok_per_s', 0):12.0f} tok/s")
     for k, v in r.get("parts_s", {}).items():
         if v is not None:
             print(f"  share {k:24s} {v * 1e3:9.1f} ms  {100 * v / r['phase_s']:5.1f}%")
@@ -325,7 +328,9 @@ def _print_table(res: dict) -> None:
               "featurise_pack_h2d_share", "optimizer_vs_bandwidth_bound"):
         if k in r:
             print(f"  {k:32s} {r[k]:.3f}")
-    print(f"  targets: {r['targets']}")
+    applies = not res["tiny"] and res["device"] != "cpu"
+    print(f"  targets (#21: full-width layers on one GPU){'' if applies else ', not what this run measures'}: "
+          f"{r['targets']}")
     for n, h in res.get("host_syncs", {}).items():
         print(f"  host syncs in one {n} step: " + (str(h["total"]) if "total" in h else h["note"]))
         for site in h.get("sites", [])[:8]:

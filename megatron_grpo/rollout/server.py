@@ -134,7 +134,10 @@ def build_command(spec: ServerSpec) -> list[str]:
            "--max-num-seqs", str(spec.max_num_seqs),
            "--tensor-parallel-size", str(spec.tensor_parallel_size),
            "--data-parallel-size", str(spec.data_parallel_size),
-           "--limit-mm-per-prompt", json.dumps({"image": 0, "video": 0, "audio": spec.max_audio_per_prompt})]
+           "--limit-mm-per-prompt", json.dumps({"image": 0, "video": 0, "audio": spec.max_audio_per_prompt}),
+           # the client sends every clip as float32 WAV (client.AudioItem), which soundfile reads exactly;
+           # vLLM's "auto" tries torchcodec first and logs its absence once per request where it is not installed
+           "--media-io-kwargs", json.dumps({"audio": {"audio_backend": "soundfile"}})]
     if is_cpu_only():
         # CPU: no CUDA graphs; chunked prefill batches capped to the context length
         cmd += ["--enforce-eager", "--max-num-batched-tokens", str(spec.max_model_len)]

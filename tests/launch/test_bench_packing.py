@@ -79,6 +79,15 @@ def test_ours_pads_less_and_balances_better_than_padded_batches(tmp_path):
     assert hb["tokens_per_s"] == pytest.approx(hb["tokens_per_step"] / (hb["ms_per_step"] / 1e3))
 
 
+def test_cli_names_the_result_files(tmp_path, capsys):
+    """Every ``mgrpo bench KIND`` ends by naming what it wrote under ``--out`` (here through
+    ``python -m launch.bench.packing``; ``mgrpo bench`` wraps the kinds the same way)."""
+    assert bp.main(["--steps", "1", "--samples", "8", "--dp", "1", "--out", str(tmp_path / "o")]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last == f"[bench packing] results in {tmp_path / 'o'}/: bench_packing.json, bench_packing.png" or \
+        last == f"[bench packing] results in {tmp_path / 'o'}/: bench_packing.json", last  # without matplotlib
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--dp", "abc"], "argument --dp: expected comma-separated positive integers, got 'abc'"),
     (["--dp", "0"], "argument --dp: expected comma-separated positive integers, got '0'"),

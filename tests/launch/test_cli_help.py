@@ -24,3 +24,4 @@ def test_every_subcommand_help_shows_defaults_and_never_a_none():
     assert "(default: 1)" in helps["mgrpo bench layers"]
     for name, text in helps.items():
         assert "(default: None)" not in text and "(default: False)" not in text, name
+        assert "(default: )" not in text, name  # an empty-string default (e.g. bench train --profile) says nothing

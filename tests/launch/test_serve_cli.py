@@ -156,6 +156,7 @@ def test_command_line_loads_extension_backend_and_guard(model_dir):
     assert cmd[cmd.index("--worker-extension-cls") + 1] == DEFAULT_WORKER_EXTENSION
     assert json.loads(cmd[cmd.index("--weight-transfer-config") + 1]) == {"backend": "gloo"}
     assert cmd[cmd.index("--middleware") + 1] == AUTH_MIDDLEWARE
+    assert json.loads(cmd[cmd.index("--media-io-kwargs") + 1]) == {"audio": {"audio_backend": "soundfile"}}
     assert "s3cret" not in " ".join(cmd) and "--api-key" not in cmd  # the key goes by environment
     assert cmd[-2:] == ["--foo", "1"] and cmd[cmd.index("--host") + 1] == "127.0.0.1"
     assert "s3cret" not in repr(spec)

@@ -62,3 +62,5 @@ def test_vllm_logprobs_match_transformers(vllm_server, hf, with_audio):
     diff = np.abs(hf_lp - vllm_lp).max()
     print(f"max |logprob vLLM - transformers| ({'audio' if with_audio else 'text'}) = {diff:.2e}")
     assert diff <= LOGPROB_ATOL, (diff, vllm_lp, hf_lp)
+    if with_audio:  # the server reads the WAV with soundfile (build_command), not trying torchcodec per request
+        assert "torchcodec unavailable" not in vllm_server.log_path.read_text(errors="replace")
