@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Optional, Sequence
@@ -335,6 +336,8 @@ def forward_backward(engine, microbatches: Sequence[TrainMicroBatch], config: St
     everything with ``force_all_reduce``). Does not zero the grads first (``train_step`` does)."""
     from megatron.core import parallel_state as ps
 
+    if not isinstance(microbatches, SequenceABC):  # an iterator: its items are read more than once below
+        microbatches = list(microbatches)
     infos = microbatch_infos(microbatches)  # a StepMicroBatches assembles each one when the schedule reads it
     M = len(infos)
     # MIS needs the behaviour logprobs before counting; only the last stage holds them, so every
