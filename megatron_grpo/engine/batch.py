@@ -46,7 +46,8 @@ from model_bridge.modeling.audio import TOKENS_PER_FULL_CHUNK
 from model_bridge.modeling.shared_audio import ClipUse, SharedClips, frame_batches
 
 __all__ = ["TrainMicroBatch", "MicroBatchInfo", "StepMicroBatches", "Featurizer", "build_train_microbatches",
-           "featurizer_from_extractor", "microbatch_infos", "padding_summary", "reset_shared_clips"]
+           "featurizer_from_extractor", "count_samples", "described", "microbatch_infos", "padding_summary",
+           "reset_shared_clips"]
 
 Featurizer = Callable[[Sequence[np.ndarray]], tuple[torch.Tensor, torch.Tensor]]
 """waveforms (16 kHz float mono, one per clip) -> (features [M, F_total], feature_lens [A]). Each clip is
@@ -221,9 +222,8 @@ class MicroBatchInfo:
     def of(cls, tmb: TrainMicroBatch) -> "MicroBatchInfo":
         """The info of an assembled micro-batch (reads its mask: a device sync for a device one)."""
         mask_T = tmb.loss_mask_T.to(torch.bool)
-        sid_T = tmb.sample_index_T
         return cls(num_tokens=tmb.num_tokens, num_real_tokens=tmb.mb.num_real_tokens, sample_ids=tmb.sample_ids,
-                   loss_tokens=int(mask_T.sum()), loss_samples=int(torch.unique(sid_T[mask_T & (sid_T >= 0)]).numel()),
+                   loss_tokens=int(mask_T.sum()), loss_samples=count_samples(mask_T, tmb.sample_index_T),
                    num_clips=tmb.num_clips, clip_use=tmb.clip_use, has_old_logprobs=tmb.old_logprobs_T is not None,
                    has_ref_logprobs=tmb.ref_logprobs_T is not None)
 
@@ -259,6 +259,17 @@ class StepMicroBatches(SequenceABC):
     def assembled(self) -> int:
         """How many of them have been assembled so far."""
         return len(self._made)
+
+
+def count_samples(keep_T: torch.Tensor, sample_index_T: torch.Tensor) -> int:
+    """Samples with at least one token where ``keep_T`` (bool [T]) is True (padding, index -1, aside)."""
+    return int(torch.unique(sample_index_T[keep_T & (sample_index_T >= 0)]).numel())
+
+
+def described(microbatches: Sequence[TrainMicroBatch]) -> Sequence:
+    """What to read ``num_tokens``, ``num_clips`` or ``clip_use`` from without assembling anything:
+    a :class:`StepMicroBatches`' ``infos``, else the micro-batches themselves."""
+    return getattr(microbatches, "infos", microbatches)
 
 
 def microbatch_infos(microbatches: Sequence[TrainMicroBatch]) -> tuple[MicroBatchInfo, ...]:
@@ -381,8 +392,7 @@ def reset_shared_clips(microbatches: Sequence["TrainMicroBatch"], training: bool
     """Before a pass over ``microbatches``: drop the shared clips' cached tower output (the weights
     may have changed since the last one), but for a pass with autograd (``training``) the batches
     ``build_train_microbatches(audio_tower=...)`` ran ahead for it (``SharedClips.begin_pass``)."""
-    infos = getattr(microbatches, "infos", microbatches)  # a StepMicroBatches is not assembled for this
-    for shared in {id(m.clip_use.shared): m.clip_use.shared for m in infos if m.clip_use}.values():
+    for shared in {id(m.clip_use.shared): m.clip_use.shared for m in described(microbatches) if m.clip_use}.values():
         shared.begin_pass(training)
 
 

@@ -31,7 +31,7 @@ import torch
 
 from megatron_grpo.host_ranges import host_range
 
-from .batch import TrainMicroBatch, reset_shared_clips
+from .batch import TrainMicroBatch, described, reset_shared_clips
 from .logprobs import DEFAULT_CHUNK_TOKENS, token_logprobs
 
 DEFAULT_FUSED_LM_HEAD = True
@@ -149,7 +149,7 @@ def run_schedule(model, microbatches: Sequence[TrainMicroBatch], loss_for: Calla
     kw = dict(forward_step_func=partial(_forward_step, has_float16_wrapper(chunks[0]), bool(fused_lm_head), loss_for,
                                         graphs=None if forward_only else graphs, routes=routes),
               data_iterator=iter(microbatches), model=chunks, num_microbatches=len(microbatches),
-              seq_length=max(m.num_tokens for m in getattr(microbatches, "infos", microbatches)), micro_batch_size=1,
+              seq_length=max(m.num_tokens for m in described(microbatches)), micro_batch_size=1,
               forward_only=forward_only)
     if force_all_reduce:
         if "force_all_reduce" not in inspect.signature(fb).parameters:

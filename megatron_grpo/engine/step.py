@@ -70,7 +70,7 @@ from megatron_grpo.algo.segments import packed_segment_ids
 from megatron_grpo.algo.sft import sft_loss
 from megatron_grpo.host_ranges import host_range
 
-from .batch import MicroBatchInfo, TrainMicroBatch, microbatch_infos
+from .batch import MicroBatchInfo, TrainMicroBatch, count_samples, microbatch_infos
 from .forward import DEFAULT_FUSED_LM_HEAD, fill_old_logprobs, is_last_stage, model_device, run_schedule
 from .logprobs import DEFAULT_CHUNK_TOKENS, token_logprobs
 from .nonfinite import NonFiniteGradError, NonFiniteSkips, log_nonfinite
@@ -244,9 +244,8 @@ def _kept_by_mis(microbatches: Sequence[TrainMicroBatch], config: StepConfig) ->
     for m in microbatches:
         keep_T = importance_weights(m.old_logprobs_T, m.rollout_logprobs_T, m.loss_mask_T.to(torch.bool),
                                     m.sample_index_T, config=config.importance).keep_mask_T
-        ids = m.sample_index_T[keep_T & (m.sample_index_T >= 0)]
         tokens += int(keep_T.sum())
-        samples += int(torch.unique(ids).numel())
+        samples += count_samples(keep_T, m.sample_index_T)
     return tokens, samples
 
 
