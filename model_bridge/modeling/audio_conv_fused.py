@@ -21,7 +21,14 @@ Arithmetic: the first conv's products on tensor cores in the input dtype with fp
 (products of half-precision values are exact in fp32), the rest in fp32, one rounding to the
 output dtype; the gradient at a pre-activation is rounded to the input dtype before it meets the
 weight-gradient dot, as the unfused path's GELU backward output is; weight and bias gradients are
-fp32 partial sums per program, summed in a fixed order (deterministic). GELU is the exact (erf) one, as ``F.gelu`` and HF's audio tower.
+fp32 partial sums per program, summed in a fixed order (deterministic). GELU is the erf one, as ``F.gelu`` and
+HF's audio tower, with erf to 1.5e-7 absolute (Abramowitz & Stegun 7.1.26: a degree-5 polynomial in
+``t = 1 / (1 + p x)`` times ``exp(-x^2)``, an exponential GELU's slope shares). The passes are bound
+by instruction issue, not memory, and libdevice's ``erff`` picks one of two polynomials per element,
+selecting their coefficients lane by lane: compiled for sm_90, each pass's loop issues ~30% fewer
+instructions with this erf (per 128 x 32 tile: ``conv1_gelu`` forward 762 against 1,110 with
+``erff``, backward 1,402 against 1,977; ``bias_gelu`` 875 against 1,223, 1,127 against 1,738). The
+fp32 results are as close to fp64 with either (3.4e-7 and 3.2e-7 at most in the tests, which allow 2e-6).
 """
 from __future__ import annotations
 
@@ -63,8 +70,14 @@ def _kernels():
 
     @triton.jit
     def _gelu_and_slope(z):
-        cdf = 0.5 * (1.0 + tl.math.erf(z * 0.7071067811865476))  # 1/sqrt(2)
-        return z * cdf, cdf + z * tl.exp(-0.5 * z * z) * 0.3989422804014327  # 1/sqrt(2*pi)
+        # erfc(x) at x = |z| / sqrt(2) to 1.5e-7 (Abramowitz & Stegun 7.1.26, module doc):
+        # t (a1 + a2 t + ... + a5 t^4) exp(-x^2) with t = 1 / (1 + 0.3275911 x)
+        t = tl.math.fdiv(1.0, 1.0 + 0.2316418882663604 * tl.abs(z))  # 0.3275911 / sqrt(2)
+        e = tl.math.exp2(z * z * -0.7213475204444817)  # exp(-x^2) = exp(-z^2 / 2); 0.5 * log2(e)
+        half_erfc = (0.127414796 + t * (-0.142248368 + t * (0.7107068705 + t * (-0.7265760135 + t * 0.5307027145))))
+        half_erfc = half_erfc * t * e  # the a_i halved above
+        cdf = tl.where(z >= 0, 1.0 - half_erfc, half_erfc)
+        return z * cdf, cdf + z * e * 0.3989422804014327  # 1/sqrt(2*pi)
 
     @triton.jit
     def _mm(a, b, IEEE: tl.constexpr):
