@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from megatron_grpo.data.features import HOP_LENGTH, _prepare
+from megatron_grpo.data.features import HOP_LENGTH, _prepare, num_frames
 from model_bridge.modeling.thd import to_device_async
 
 __all__ = ["DeviceFeaturizer", "trainer_featurizer", "FRAME_CHUNK"]
@@ -96,6 +96,10 @@ class DeviceFeaturizer:
         self._copied = None  # the event after its last host-to-device copy
         self.mel_T = torch.from_numpy(np.asarray(feature_extractor.mel_filters, dtype=np.float32)).T.contiguous() \
             .to(self.device)  # [M, n_fft // 2 + 1]
+
+    def frames(self, waveform: np.ndarray) -> int:
+        """The mel frames this featurizer gives ``waveform`` (it pads each clip to the hop)."""
+        return int(num_frames(len(waveform), self.hop))
 
     def _to_device(self, clips: Sequence[np.ndarray], padded: Sequence[int]) -> torch.Tensor:
         """The clips end to end, each zero-padded to its ``padded`` length (a multiple of the hop),

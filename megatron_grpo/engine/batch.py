@@ -51,7 +51,10 @@ __all__ = ["TrainMicroBatch", "MicroBatchInfo", "StepMicroBatches", "Featurizer"
 
 Featurizer = Callable[[Sequence[np.ndarray]], tuple[torch.Tensor, torch.Tensor]]
 """waveforms (16 kHz float mono, one per clip) -> (features [M, F_total], feature_lens [A]). Each clip is
-featurised on its own (`build_train_microbatches` calls it one clip at a time and caches per clip)."""
+featurised on its own (`build_train_microbatches` calls it one clip at a time and caches per clip). A
+featurizer with a ``frames(waveform) -> int`` method (the frame count it will give the clip) lets the
+build plan the audio-tower batches before featurising (`megatron_grpo.data.device_features.DeviceFeaturizer`,
+:func:`featurizer_from_extractor`)."""
 
 
 @dataclass(frozen=True)
@@ -284,13 +287,30 @@ def microbatch_infos(microbatches: Sequence[TrainMicroBatch]) -> tuple[MicroBatc
 # --------------------------------------------------------------------------------------------
 
 
-def featurizer_from_extractor(feature_extractor) -> Featurizer:
-    """A :data:`Featurizer` from the checkpoint's feature extractor (``WhisperFeatureExtractor``):
-    ``megatron_grpo.data.features.audio_features`` with its defaults (each clip on its own, padded
-    to the hop length: what vLLM gave the rollout)."""
-    from megatron_grpo.data.features import audio_features
+class _ExtractorFeaturizer:
+    """``megatron_grpo.data.features.audio_features`` with its defaults (each clip on its own, padded
+    to the hop length: what vLLM gave the rollout), and the frame count that gives a clip."""
 
-    return lambda waves: audio_features(feature_extractor, waves)
+    def __init__(self, feature_extractor):
+        from megatron_grpo.data.features import HOP_LENGTH
+
+        self.feature_extractor = feature_extractor
+        self.hop = int(getattr(feature_extractor, "hop_length", HOP_LENGTH))
+
+    def __call__(self, waves: Sequence[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+        from megatron_grpo.data.features import audio_features
+
+        return audio_features(self.feature_extractor, waves)
+
+    def frames(self, waveform: np.ndarray) -> int:
+        from megatron_grpo.data.features import num_frames
+
+        return int(num_frames(len(waveform), self.hop))
+
+
+def featurizer_from_extractor(feature_extractor) -> Featurizer:
+    """A :data:`Featurizer` from the checkpoint's feature extractor (``WhisperFeatureExtractor``)."""
+    return _ExtractorFeaturizer(feature_extractor)
 
 
 # --------------------------------------------------------------------------------------------
@@ -327,12 +347,11 @@ def _sample_audio(i: int, traj, featurize: Optional[Featurizer], n_window: int, 
     return parts
 
 
-def _featurize_step(trajectories, ids: Sequence[int], featurize: Optional[Featurizer], cache: dict) -> None:
-    """Featurise every distinct clip of samples ``ids`` not in ``cache`` in one call (one launch
-    sequence and sync for the step instead of one per clip) and cache each clip's part. A clip the
-    featurizer refuses is left out: :func:`_sample_audio` then featurises the sample's clips one by
-    one and its error names the sample."""
-    todo = {id(a): a for i in ids for a in trajectories[i].audios if id(a) not in cache}
+def _featurize_clips(clips: Sequence, featurize: Optional[Featurizer], cache: dict) -> None:
+    """Featurise the distinct ``clips`` not in ``cache`` in one call (one launch sequence and sync
+    instead of one per clip) and cache each clip's part. A clip the featurizer refuses is left out:
+    :func:`_sample_audio` then featurises the sample's clips one by one and its error names the sample."""
+    todo = {id(a): a for a in clips if id(a) not in cache}
     if featurize is None or not todo:
         return
     try:
@@ -344,6 +363,100 @@ def _featurize_step(trajectories, ids: Sequence[int], featurize: Optional[Featur
         return  # the per-clip path names the clip
     for (k, a), part, n in zip(todo.items(), f.split(ln.tolist(), dim=1), ln.split(1)):
         cache[k] = (a, part, n)
+
+
+def _step_audio(trajectories, mb_ids: Sequence[tuple[int, ...]], featurize: Optional[Featurizer], n_window: int,
+                share: bool, keep_shared: float, max_frames: int, audio_tower) -> tuple[list, list]:
+    """``(per_mb, uses)``: each micro-batch's own clips ``(features, frame counts, clip order)`` and its
+    :class:`ClipUse` (None without shared clips), every clip featurised and checked against its
+    sample's audio-token runs (:func:`build_train_microbatches` says what is shared and kept).
+
+    With ``audio_tower`` the first micro-batch's batches of shared clips run through it here
+    (``ClipUse.prefetch``). Where the featurizer gives a clip's frame count from its length
+    (``featurize.frames``), the batches are planned from the lengths, so only the clips of those
+    first batches are featurised before they run, and the rest while the device runs them."""
+    cache: dict = {}
+    mine = [i for ids in mb_ids for i in ids]
+    pool = keep_shared > 0  # every clip through SharedClips: a tower call per batch, not per micro-batch
+    with host_range("clip_batches"):
+        shared_ix, span = _clip_uses(mb_ids, trajectories, share, pool)
+        clips_C = {shared_ix[id(a)]: a for i in mine for a in trajectories[i].audios if id(a) in shared_ix}
+        orders = [_clip_order(ids, trajectories, shared_ix) for ids in mb_ids]
+    frames_of = getattr(featurize, "frames", None)
+    shared = uses = None
+    if audio_tower is not None and frames_of is not None and shared_ix:
+        with host_range("clip_batches"):
+            shared, uses = _shared_plan(span, [int(frames_of(clips_C[c])) for c in range(len(clips_C))], orders,
+                                        max_frames, keep_shared, pool)
+        if uses[0] is not None:
+            first = [c for b in sorted({shared.batch_of[-1 - c] for c in uses[0].order if c < 0})
+                     for c in shared.batches[b]]
+            with host_range("featurise"):
+                _featurize_clips([clips_C[c] for c in first], featurize, cache)
+            if all(id(clips_C[c]) in cache for c in first):  # else the checks below name the clip
+                for c in first:
+                    shared.set_features(c, cache[id(clips_C[c])][1])
+                with host_range("prefetch_tower"):
+                    uses[0].prefetch(audio_tower)
+    with host_range("featurise"):
+        _featurize_clips([a for i in mine for a in trajectories[i].audios], featurize, cache)
+    with host_range("clip_batches"):
+        per_mb, feats_C = [], {}
+        for ids, order in zip(mb_ids, orders):
+            feats, lens = [], []
+            for i in ids:
+                if not trajectories[i].audios:
+                    continue
+                for a, (f, ln) in zip(trajectories[i].audios, _sample_audio(i, trajectories[i], featurize, n_window,
+                                                                             cache)):
+                    if id(a) in shared_ix:
+                        feats_C[shared_ix[id(a)]] = f
+                    else:
+                        feats.append(f)
+                        lens.append(ln)
+            per_mb.append((feats, lens, order))
+        if shared is None and shared_ix:
+            shared, uses = _shared_plan(span, [feats_C[c].shape[-1] for c in range(len(feats_C))], orders,
+                                        max_frames, keep_shared, pool)
+        for c, f in feats_C.items():
+            if shared.features_MF[c] is None:
+                shared.set_features(c, f)  # checks the planned frame count
+    if uses is None:
+        uses = [None] * len(mb_ids)
+    elif audio_tower is not None and uses[0] is not None and not shared.prefetched:
+        with host_range("prefetch_tower"):
+            uses[0].prefetch(audio_tower)
+    return per_mb, uses
+
+
+def _clip_order(ids: Sequence[int], trajectories, shared_ix: dict[int, int]) -> tuple[int, ...]:
+    """``ClipUse.order`` of the micro-batch of samples ``ids``: per clip in token order ``j >= 0`` for its
+    j-th own clip, ``-1 - c`` for shared clip ``c``."""
+    order, own = [], 0
+    for i in ids:
+        for a in trajectories[i].audios:
+            c = shared_ix.get(id(a))
+            order.append(own if c is None else -1 - c)
+            own += c is None
+    return tuple(order)
+
+
+def _shared_plan(span: dict[int, tuple[int, int]], frames_C: Sequence[int], orders: Sequence[tuple[int, ...]],
+                 max_frames: int, keep_shared: float, pool: bool) -> tuple[SharedClips, list]:
+    """The step's :class:`SharedClips` for clips of ``frames_C`` frames (features set later), in
+    batches of at most a micro-batch's budget of audio frames (``max_frames``; shared_audio.py), and
+    each micro-batch's :class:`ClipUse` (None without shared clips; ``orders``: :func:`_clip_order`)."""
+    keep_frames = int(keep_shared * max_frames)
+    batches, always = (_pooled_batches(span, frames_C, min(max_frames, keep_frames), max_frames)
+                       if pool else (None, ()))
+    shared = SharedClips([None] * len(frames_C), max_frames=max_frames, keep_frames=keep_frames, batches=batches,
+                         always_keep=always, lens=frames_C)
+    batch_last: dict[int, int] = {}
+    for c, (_, k) in span.items():
+        b = shared.batch_of[c]
+        batch_last[b] = max(k, batch_last.get(b, k))
+    return shared, [ClipUse(shared, order, tuple(sorted(b for b, last in batch_last.items() if last == k)))
+                    if any(c < 0 for c in order) else None for k, order in enumerate(orders)]
 
 
 def _clip_uses(mb_ids: Sequence[Sequence[int]], trajectories, share: bool,
@@ -447,51 +560,9 @@ def build_train_microbatches(trajectories: Sequence, plan: PackPlan, dp_rank: in
         raise ValueError(f"ref_logprobs_by_sample has {len(ref_logprobs_by_sample)} entries for {n} samples")
     # the audio first (it needs only the plan's sample ids): a device featurizer's copy and kernels,
     # and a prefetched tower batch, then run while the host packs the tokens
-    clip_features: dict = {}
-    with host_range("featurise"):
-        _featurize_step(trajectories, mine, featurize, clip_features)
-    with host_range("clip_batches"):
-        mb_ids = [tuple(int(i) for i in ids) for ids in plan.microbatches[dp_rank]]
-        pool = keep_shared > 0  # every clip through SharedClips: a tower call per batch, not per micro-batch
-        shared_ix, span = _clip_uses(mb_ids, trajectories, share_clips, pool)
-        shared_feats: dict[int, torch.Tensor] = {}
-        per_mb = []
-        for ids in mb_ids:
-            feats, lens, order = [], [], []
-            for i in ids:
-                if not trajectories[i].audios:
-                    continue
-                for a, (f, ln) in zip(trajectories[i].audios, _sample_audio(i, trajectories[i], featurize, n_window,
-                                                                             clip_features)):
-                    c = shared_ix.get(id(a))
-                    if c is None:
-                        order.append(len(feats))
-                        feats.append(f)
-                        lens.append(ln)
-                    else:
-                        order.append(-1 - c)
-                        shared_feats[c] = f
-            per_mb.append((feats, lens, order))
-        shared = None
-        if shared_ix:  # batches of at most a micro-batch's budget of audio frames (shared_audio.py)
-            max_frames = config.max_tokens_per_microbatch * 2 * n_window // TOKENS_PER_FULL_CHUNK
-            feats_C = [shared_feats[c] for c in range(len(shared_ix))]
-            keep_frames = int(keep_shared * max_frames)
-            batches, always = (_pooled_batches(span, [f.shape[-1] for f in feats_C], min(max_frames, keep_frames),
-                                               max_frames)
-                               if pool else (None, ()))
-            shared = SharedClips(feats_C, max_frames=max_frames, keep_frames=keep_frames,
-                                 batches=batches, always_keep=always)
-            batch_last: dict[int, int] = {}
-            for c, (_, k) in span.items():
-                b = shared.batch_of[c]
-                batch_last[b] = max(k, batch_last.get(b, k))
-        uses = [ClipUse(shared, tuple(order), tuple(sorted(b for b, last in batch_last.items() if last == k)))
-                if shared is not None and any(c < 0 for c in order) else None
-                for k, (_, _, order) in enumerate(per_mb)]
-    if audio_tower is not None and uses and uses[0] is not None:
-        with host_range("prefetch_tower"):
-            uses[0].prefetch(audio_tower)
+    mb_ids = [tuple(int(i) for i in ids) for ids in plan.microbatches[dp_rank]]
+    per_mb, uses = _step_audio(trajectories, mb_ids, featurize, n_window, share_clips, keep_shared,
+                               config.max_tokens_per_microbatch * 2 * n_window // TOKENS_PER_FULL_CHUNK, audio_tower)
     with host_range("pack"):  # every check on the input here, before any micro-batch runs (hang invariant)
         tokens = {i: _sample_tokens(i, trajectories[i]) for i in mine}  # (ids, mask, rollout logprobs)
         refs = None if ref_logprobs_by_sample is None else \

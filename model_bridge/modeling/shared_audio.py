@@ -78,15 +78,22 @@ class SharedClips:
     given; a pass with autograd keeps the first pass's graph of the batches in ``always_keep`` and of
     the others while those hold at most ``keep_frames`` frames."""
 
-    def __init__(self, features_MF: Sequence[torch.Tensor], max_frames: Optional[int] = None,
+    def __init__(self, features_MF: Sequence[Optional[torch.Tensor]], max_frames: Optional[int] = None,
                  keep_frames: int = 0, batches: Optional[Sequence[Sequence[int]]] = None,
-                 always_keep: Sequence[int] = ()):
+                 always_keep: Sequence[int] = (), lens: Optional[Sequence[int]] = None):
+        """``lens``: each clip's frame count, when the features are not all there yet (None entries,
+        each given by :meth:`set_features` before a batch that holds it runs)."""
         if not features_MF:
             raise ValueError("SharedClips needs at least one clip")
         if keep_frames < 0:
             raise ValueError(f"keep_frames must be >= 0 (0: recompute every batch), got {keep_frames}")
-        self.features_MF = list(features_MF)
-        self.lens = [int(f.shape[-1]) for f in self.features_MF]
+        self.features_MF = [None] * len(features_MF)
+        self.lens = [int(n) for n in lens] if lens is not None else [int(f.shape[-1]) for f in features_MF]
+        if len(self.lens) != len(self.features_MF):
+            raise ValueError(f"SharedClips got {len(self.lens)} frame counts for {len(features_MF)} clips")
+        for c, f in enumerate(features_MF):
+            if f is not None:
+                self.set_features(c, f)
         self.keep_frames = int(keep_frames)
         self.batches: list[tuple[int, ...]] = []
         if batches is not None:
@@ -108,6 +115,13 @@ class SharedClips:
     def __len__(self) -> int:
         return len(self.features_MF)
 
+    def set_features(self, c: int, features_MF: torch.Tensor) -> None:
+        """Clip ``c``'s features ``[M, F_c]``, of the frame count it was planned with."""
+        if features_MF.shape[-1] != self.lens[c]:
+            raise ValueError(f"shared clip {c} was planned with {self.lens[c]} frames but its features have "
+                             f"{features_MF.shape[-1]}")
+        self.features_MF[c] = features_MF
+
     def reset(self) -> None:
         """Forget the embeddings and kept graphs (a new pass: the weights may have changed)."""
         self._leaf, self._kept, self.kept_batches, self.prefetched = {}, {}, 0, False
@@ -127,6 +141,9 @@ class SharedClips:
 
         p = tower.conv2d1.weight
         clips = self.batches[b]
+        missing = [c for c in clips if self.features_MF[c] is None]
+        if missing:
+            raise RuntimeError(f"shared clip(s) {missing} of batch {b} have no features yet (set_features)")
         feats = torch.cat([self.features_MF[c] for c in clips], dim=1) if len(clips) > 1 else self.features_MF[clips[0]]
         lens = [self.lens[c] for c in clips]
         out_NO = tower(feats.to(p.device, p.dtype, non_blocking=True), torch.tensor(lens))

@@ -16,6 +16,8 @@ from model_bridge.spawn import run_ranks
 CPU_ONLY = {"CUDA_VISIBLE_DEVICES": ""}
 BUDGET = 160
 GROUP = 4
+KEEP_PREFETCH = 0.05
+"""``keep_shared`` of the prefetch test: the first micro-batch's batches then hold only some of the clips."""
 
 
 def _wave(seconds: float, seed: int) -> np.ndarray:
@@ -232,17 +234,31 @@ def _run_prefetch(hf_dir: str, trajs: list, tp: int) -> dict:
            "collective_free": not (tower.tensor_parallel and tp > 1),
            "refused": [audio_prefetch_tower(engine, dataclasses.replace(step_cfg, **kw)) is None
                        for kw in ({"importance": ISConfig(mode="mis")}, {"routing_replay": "r2"})]}
-    frames = []
-    tower.register_forward_pre_hook(lambda mod, args: frames.append(int(args[1].sum())))
-    featurize = featurizer_from_extractor(WhisperFeatureExtractor.from_pretrained(hf_dir))
+    frames, calls = [], []  # calls: "F<clips>" per featurizer call, "T" per tower call, in order
+
+    def hook(mod, args) -> None:
+        frames.append(int(args[1].sum()))
+        calls.append("T")
+
+    tower.register_forward_pre_hook(hook)
+    extractor = featurizer_from_extractor(WhisperFeatureExtractor.from_pretrained(hf_dir))
+
+    def no_frames(waves):  # a featurizer that cannot tell a clip's frame count before featurising it
+        calls.append(f"F{len(waves)}")
+        return extractor(waves)
+
+    featurize = type("Logged", (), {"__call__": lambda self, waves: no_frames(waves),
+                                    "frames": lambda self, w: extractor.frames(w)})()
     cfg = PackLimits(max_tokens_per_microbatch=BUDGET, pad_multiple=tp)
     plan = plan_step([t.num_tokens for t in trajs], ps.get_data_parallel_world_size(), cfg)
-    for way in ("plain", "prefetch", "prefetch_then_logprobs"):
+    for way in ("plain", "prefetch", "prefetch_then_logprobs", "prefetch_no_frames"):
         frames.clear()
-        mbs = build_train_microbatches(trajs, plan, ps.get_data_parallel_rank(), cfg, featurize=featurize,
-                                       n_window=engine.spec.audio.n_window, keep_shared=1.0,
+        calls.clear()
+        mbs = build_train_microbatches(trajs, plan, ps.get_data_parallel_rank(), cfg,
+                                       featurize=no_frames if way == "prefetch_no_frames" else featurize,
+                                       n_window=engine.spec.audio.n_window, keep_shared=KEEP_PREFETCH,
                                        audio_tower=None if way == "plain" else tower)
-        built = list(frames)
+        built, build_calls = list(frames), list(calls)
         if way == "prefetch_then_logprobs":
             compute_logprobs(engine.model, mbs, vocab_size=engine.spec.text.vocab_size, chunk_size=64)
         for m in engine.model:
@@ -252,7 +268,7 @@ def _run_prefetch(hf_dir: str, trajs: list, tp: int) -> dict:
         shared = mbs[0].clip_use.shared
         out[way] = dict(loss=metrics["loss"], grads=hf_tensors(engine.model, engine.spec, "grad"), built=built,
                         passes=frames[len(built):], kept=shared.kept_batches, batches=shared.batches,
-                        first=sorted({shared.batch_of[-1 - c] for c in mbs[0].clip_use.order}))
+                        first=sorted({shared.batch_of[-1 - c] for c in mbs[0].clip_use.order}), calls=build_calls)
     destroy_parallel()
     return out
 
@@ -261,17 +277,26 @@ def test_prefetched_tower_batches_make_the_same_step(tiny_ckpt, trajectories):
     """``build_train_microbatches(audio_tower=...)`` runs the first micro-batch's tower batches during
     the build (the device works while the host packs); the training pass then takes them instead of
     running them again, and the step's loss and gradients are bit-identical to the plain build's.
-    A forward-only pass in between drops the prefetch (its batches run again, same step)."""
+    A featurizer that gives a clip's frame count (``frames``) has the first batches' clips featurised
+    first, the tower run on them, then the rest featurised; one that cannot featurises every clip
+    before the tower runs. A forward-only pass in between drops the prefetch (its batches run again,
+    same step)."""
     res = run_ranks(_run_prefetch, 1, str(tiny_ckpt), trajectories, 1, timeout=300, env=CPU_ONLY)[0]
-    plain, pre, dropped = res["plain"], res["prefetch"], res["prefetch_then_logprobs"]
+    plain, pre, dropped, blind = (res[k] for k in ("plain", "prefetch", "prefetch_then_logprobs",
+                                                   "prefetch_no_frames"))
     assert res["tower"] and res["collective_free"] and res["refused"] == [True, True]
     assert plain["built"] == [] and len(plain["batches"]) >= 2
     first = [plain["passes"][k] for k in range(len(plain["first"]))]
     assert pre["built"] == first and pre["passes"] == plain["passes"][len(first):]
-    assert dropped["built"] == first
+    assert dropped["built"] == first and blind["built"] == first and blind["passes"] == pre["passes"]
     # the forward-only pass runs every batch once, then the training pass runs them all again
     assert dropped["passes"][len(plain["batches"]):] == plain["passes"]
-    for other in (pre, dropped):
+    # planned from the clips' lengths: only the first batches' clips are featurised before they run
+    clips = sum(len(b) for b in plain["batches"])
+    ahead = sum(len(plain["batches"][b]) for b in plain["first"])
+    assert ahead < clips and plain["calls"] == [f"F{clips}"] and blind["calls"] == [f"F{clips}"] + ["T"] * len(first)
+    assert pre["calls"] == [f"F{ahead}"] + ["T"] * len(first) + [f"F{clips - ahead}"], pre["calls"]
+    for other in (pre, dropped, blind):
         assert other["kept"] == plain["kept"] and other["loss"] == plain["loss"]
         for k, g in plain["grads"].items():
             assert torch.equal(other["grads"][k], g), k
