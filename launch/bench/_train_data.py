@@ -51,7 +51,7 @@ def synth_trajectories(n: int, spec, *, max_tokens: int, seed: int = 0, group_si
     """``n`` :class:`~megatron_grpo.trajectory.Trajectory` objects (module doc) for the checkpoint's
     ``spec`` (``OmniSpec``: token ids, vocab), each at most ``max_tokens`` tokens."""
     from megatron_grpo.data.features import audio_token_count, num_frames
-    from megatron_grpo.trajectory import Trajectory
+    from megatron_grpo.trajectory import Trajectory, token_arrays
 
     ranges = ranges or FULL_RANGES
     rng = np.random.default_rng(seed)
@@ -101,6 +101,7 @@ def synth_trajectories(n: int, spec, *, max_tokens: int, seed: int = 0, group_si
         add(answer, generated=True)
         if len(ids) > max_tokens:  # pragma: no cover - the recording was sized to fit
             raise AssertionError(f"sample {i}: {len(ids)} tokens > {max_tokens}")
+        ids, mask, lp = token_arrays(ids, mask, lp)  # as the rollout hands them
         out.append(Trajectory(prompt_index=i // group_size, group_id=i // group_size, input_ids_T=ids,
                               loss_mask_T=mask, rollout_logprobs_T=lp, audios=[record, *crops],
                               audio_token_counts=counts, num_turns=len(crops) + 1, finish_reason="answer",

@@ -168,16 +168,18 @@ def host_build(step_lengths: list[list[int]], budget: int, pad_multiple: int, se
     tokens/s."""
     from megatron_grpo.engine.batch import build_train_microbatches
     from megatron_grpo.packing import PackLimits, plan_step, round_up
-    from megatron_grpo.trajectory import Trajectory
+    from megatron_grpo.trajectory import Trajectory, token_arrays
 
     rng = random.Random(seed)
     cfg = PackLimits(max_tokens_per_microbatch=round_up(budget, pad_multiple), pad_multiple=pad_multiple,
                      allow_oversized=True)
     times, firsts, tokens, counts = [], [], [], []
     for lengths in step_lengths[:HOST_BUILD_STEPS]:
-        trajs = [Trajectory(prompt_index=i, group_id=i, input_ids_T=[rng.randrange(150_000) for _ in range(n)],
-                            loss_mask_T=[int(k > n // 2) for k in range(n)],
-                            rollout_logprobs_T=[-rng.random() for _ in range(n)]) for i, n in enumerate(lengths)]
+        trajs = []
+        for i, n in enumerate(lengths):  # the per-token arrays the rollout hands (trajectory.token_arrays)
+            ids, mask, lp = token_arrays([rng.randrange(150_000) for _ in range(n)], [int(k > n // 2) for k in range(n)],
+                                         [-rng.random() for _ in range(n)])
+            trajs.append(Trajectory(prompt_index=i, group_id=i, input_ids_T=ids, loss_mask_T=mask, rollout_logprobs_T=lp))
         plan = plan_step(lengths, 1, cfg)
         t = time.perf_counter()
         mbs = build_train_microbatches(trajs, plan, 0, cfg)

@@ -49,7 +49,7 @@ def make_step(prompts: int, generations: int, minutes: float, crop_s: float, tex
     """The synthetic step: trajectories with a shared recording per prompt and a crop per sample."""
     import numpy as np
 
-    from megatron_grpo.trajectory import Trajectory
+    from megatron_grpo.trajectory import Trajectory, token_arrays
 
     rng = np.random.default_rng(seed)
     n_rec, n_crop = int(minutes * 60 * SR), int(crop_s * SR)
@@ -61,9 +61,8 @@ def make_step(prompts: int, generations: int, minutes: float, crop_s: float, tex
             lo = int(rng.integers(0, max(1, n_rec - n_crop)))
             L = lengths[g * generations + k]
             gen = L // 10
-            out.append(Trajectory(prompt_index=g, group_id=g, input_ids_T=[7] * L,
-                                  loss_mask_T=[0] * (L - gen) + [1] * gen,
-                                  rollout_logprobs_T=[0.0] * (L - gen) + [-0.5] * gen,
+            ids, mask, lp = token_arrays([7] * L, [0] * (L - gen) + [1] * gen, [0.0] * (L - gen) + [-0.5] * gen)
+            out.append(Trajectory(prompt_index=g, group_id=g, input_ids_T=ids, loss_mask_T=mask, rollout_logprobs_T=lp,
                                   audios=[rec, rec[lo:lo + n_crop].copy()], reward=float(k % 2)))
     return out
 

@@ -373,8 +373,9 @@ def _step_audio(trajectories, mb_ids: Sequence[tuple[int, ...]], featurize: Opti
 
     With ``audio_tower`` the first micro-batch's batches of shared clips run through it here
     (``ClipUse.prefetch``). Where the featurizer gives a clip's frame count from its length
-    (``featurize.frames``), the batches are planned from the lengths, so only the clips of those
-    first batches are featurised before they run, and the rest while the device runs them."""
+    (``featurize.frames``), the batches are planned from the lengths before any clip is featurised,
+    so only the clips of those first batches are featurised before they run, and the rest while the
+    device runs them."""
     cache: dict = {}
     mine = [i for ids in mb_ids for i in ids]
     pool = keep_shared > 0  # every clip through SharedClips: a tower call per batch, not per micro-batch
@@ -384,11 +385,11 @@ def _step_audio(trajectories, mb_ids: Sequence[tuple[int, ...]], featurize: Opti
         orders = [_clip_order(ids, trajectories, shared_ix) for ids in mb_ids]
     frames_of = getattr(featurize, "frames", None)
     shared = uses = None
-    if audio_tower is not None and frames_of is not None and shared_ix:
+    if frames_of is not None and shared_ix:
         with host_range("clip_batches"):
             shared, uses = _shared_plan(span, [int(frames_of(clips_C[c])) for c in range(len(clips_C))], orders,
                                         max_frames, keep_shared, pool)
-        if uses[0] is not None:
+        if audio_tower is not None and uses[0] is not None:
             first = [c for b in sorted({shared.batch_of[-1 - c] for c in uses[0].order if c < 0})
                      for c in shared.batches[b]]
             with host_range("featurise"):
@@ -407,10 +408,15 @@ def _step_audio(trajectories, mb_ids: Sequence[tuple[int, ...]], featurize: Opti
             for i in ids:
                 if not trajectories[i].audios:
                     continue
-                for a, (f, ln) in zip(trajectories[i].audios, _sample_audio(i, trajectories[i], featurize, n_window,
-                                                                             cache)):
-                    if id(a) in shared_ix:
-                        feats_C[shared_ix[id(a)]] = f
+                for j, (a, (f, ln)) in enumerate(zip(trajectories[i].audios,
+                                                      _sample_audio(i, trajectories[i], featurize, n_window, cache))):
+                    c = shared_ix.get(id(a))
+                    if c is not None and shared is not None and f.shape[-1] != shared.lens[c]:
+                        raise ValueError(f"sample {i} (prompt {trajectories[i].prompt_index}): audio clip {j} of "
+                                         f"{len(a)} samples has {f.shape[-1]} feature frames, but the featurizer's "
+                                         f"frames() gave {shared.lens[c]}; they must agree")
+                    if c is not None:
+                        feats_C[c] = f
                     else:
                         feats.append(f)
                         lens.append(ln)
@@ -420,7 +426,7 @@ def _step_audio(trajectories, mb_ids: Sequence[tuple[int, ...]], featurize: Opti
                                         max_frames, keep_shared, pool)
         for c, f in feats_C.items():
             if shared.features_MF[c] is None:
-                shared.set_features(c, f)  # checks the planned frame count
+                shared.set_features(c, f)
     if uses is None:
         uses = [None] * len(mb_ids)
     elif audio_tower is not None and uses[0] is not None and not shared.prefetched:

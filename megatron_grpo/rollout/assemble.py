@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from megatron_grpo.rollout.state import RolloutConsistencyError, RolloutState
-from megatron_grpo.trajectory import Trajectory, check_alignment
+from megatron_grpo.trajectory import Trajectory, check_alignment, token_arrays
 
 
 def stitch_routed_experts(parts: Sequence[np.ndarray], total_tokens: int) -> np.ndarray:
@@ -43,9 +43,9 @@ def build_trajectory(state: RolloutState, pidx, audio_token_id: int) -> Trajecto
     if state.routed_rows:
         routed = stitch_routed_experts(state.routed_rows, T)
     versions = [v for v in state.weight_versions if v is not None]
+    ids, mask, logprobs = token_arrays(state.input_ids, state.loss_mask, state.logprobs)  # the trainer's form
     traj = Trajectory(
-        prompt_index=pidx, group_id=state.group_id, input_ids_T=list(state.input_ids),
-        loss_mask_T=list(state.loss_mask), rollout_logprobs_T=list(state.logprobs),
+        prompt_index=pidx, group_id=state.group_id, input_ids_T=ids, loss_mask_T=mask, rollout_logprobs_T=logprobs,
         audios=[a.waveform for a in state.audios],
         audio_token_counts=list(state.audio_token_counts),
         completion_texts=list(state.completion_texts), num_turns=state.num_turns,

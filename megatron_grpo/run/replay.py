@@ -30,11 +30,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from megatron_grpo.trajectory import Trajectory
+from megatron_grpo.trajectory import Trajectory, token_arrays
 
 FORMAT = 1
 MANIFEST = "manifest.json"
 _TENSOR_FIELDS = {"input_ids_T": torch.int64, "loss_mask_T": torch.int64, "rollout_logprobs_T": torch.float64}
+
+
+def _max_id(traj: Trajectory) -> int:
+    return int(np.max(traj.input_ids_T)) if len(traj.input_ids_T) else -1
 
 
 def step_path(directory, step: int) -> Path:
@@ -69,7 +73,7 @@ def trajectory_to_record(t: Trajectory, clips: list, index: dict) -> dict:
     for f in fields(t):
         v = getattr(t, f.name)
         if f.name in _TENSOR_FIELDS:
-            d[f.name] = torch.tensor(v, dtype=_TENSOR_FIELDS[f.name])
+            d[f.name] = torch.as_tensor(np.asarray(v), dtype=_TENSOR_FIELDS[f.name])
         elif f.name == "audios":
             ids = []
             for a in v:
@@ -89,8 +93,8 @@ def trajectory_from_record(d: dict, waves: list) -> Trajectory:
     are used as they are, so a clip several samples share (a group's recording) is again one object,
     as in the live run (the trainer then runs it through the audio tower once, ``engine.batch``)."""
     kw = dict(d)
-    for name in _TENSOR_FIELDS:
-        kw[name] = kw[name].tolist()
+    kw["input_ids_T"], kw["loss_mask_T"], kw["rollout_logprobs_T"] = token_arrays(
+        *(kw[name].numpy() for name in _TENSOR_FIELDS))  # as the rollout hands them
     kw["audios"] = [waves[i] for i in kw.get("audios", [])]
     if isinstance(kw.get("routed_experts"), torch.Tensor):
         kw["routed_experts"] = kw["routed_experts"].numpy()
@@ -194,7 +198,7 @@ class Recorder:
         _atomic(step_path(self.dir, step), lambda p: torch.save(payload, p))
         m = self.manifest
         m["steps"] = sorted(set(m["steps"]) | {step})
-        m["max_token_id"] = max([m["max_token_id"]] + [max(t.input_ids_T, default=-1) for t in trajs])
+        m["max_token_id"] = max([m["max_token_id"]] + [_max_id(t) for t in trajs])
         _atomic(self.dir / MANIFEST, lambda p: p.write_text(json.dumps(m, indent=2) + "\n"))
 
 
@@ -247,7 +251,7 @@ class ReplaySource:
             return None
         trajs, _ = load_step(self.backend.dir, step)
         vocab = self.backend.manifest["vocab_size"]
-        if any(max(t.input_ids_T, default=-1) >= vocab for t in trajs):  # pragma: no cover
+        if any(_max_id(t) >= vocab for t in trajs):  # pragma: no cover
             raise ValueError(f"{step_path(self.backend.dir, step)}: a token id >= vocab_size {vocab}")
         return trajs
 

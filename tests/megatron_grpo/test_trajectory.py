@@ -9,7 +9,7 @@ import torch
 
 from megatron_grpo.data.features import audio_token_count, num_frames
 from megatron_grpo.trajectory import (Trajectory, TrajectoryError, check_alignment, load_trajectories,
-                                      save_trajectories)
+                                      save_trajectories, token_arrays)
 
 AUD = 9          # audio placeholder id used in these tests
 WHERE = "trajectory (prompt 3, group 1)"
@@ -144,6 +144,25 @@ def test_to_from_dict_inline_roundtrip():
     t2 = dataclasses.replace(t, routed_experts=torch.arange(6, dtype=torch.int32).reshape(2, 3))
     back = Trajectory.from_dict(json.loads(json.dumps(t2.to_dict())))
     assert back.routed_experts.dtype == np.int32 and back.routed_experts.tolist() == [[0, 1, 2], [3, 4, 5]]
+
+
+def test_token_arrays_as_the_rollout_hands_them():
+    """int64 ids, bool mask, float64 logprobs; the checks, the JSON form (lists of 0s and 1s) and
+    equality are those of the lists'."""
+    t = make_traj()
+    ids, mask, lps = token_arrays(t.input_ids_T, t.loss_mask_T, t.rollout_logprobs_T)
+    assert (ids.dtype, mask.dtype, lps.dtype) == (np.int64, np.bool_, np.float64)
+    a = dataclasses.replace(t, input_ids_T=ids, loss_mask_T=mask, rollout_logprobs_T=lps)
+    check_alignment(a, AUD)
+    assert a == t and a.num_generated == t.num_generated == 3
+    d = json.loads(json.dumps(a.to_dict()))
+    assert d["loss_mask_T"] == t.loss_mask_T and d["input_ids_T"] == t.input_ids_T
+    assert Trajectory.from_dict(d) == a
+    assert a != dataclasses.replace(a, rollout_logprobs_T=lps * 2)
+    assert err(dataclasses.replace(a, rollout_logprobs_T=np.where(mask, lps, -0.5))).startswith(
+        f"{WHERE}: token 0 (id 1) is not generated (mask 0) but has rollout logprob -0.5")
+    with pytest.raises(TrajectoryError, match=r"^loss_mask\[3\] = 2, expected 0 or 1$"):
+        token_arrays(t.input_ids_T, [0, 0, 0, 2] + t.loss_mask_T[4:], t.rollout_logprobs_T)
 
 
 def test_save_load_jsonl_with_npz(tmp_path):

@@ -66,6 +66,16 @@ def test_build_train_microbatches_layout_and_audio_count_check(tiny_ckpt):
     with pytest.raises(ValueError, match=r"sample 0 \(prompt 0\): its clips give"):
         build_train_microbatches(wrong, plan, 0, cfg, featurize=featurize)
 
+    # the shared batches are planned from the featurizer's frames(): one that disagrees with its own
+    # features is named at the clip
+    off_by_one = type("OffByOne", (), {"__call__": lambda self, w: featurize(w),
+                                       "frames": lambda self, w: featurize.frames(w) + 1})()
+    n = len(trajs[0].audios[0])
+    with pytest.raises(ValueError, match=rf"sample 0 \(prompt 0\): audio clip 0 of {n} samples has "
+                                         rf"{-(-n // 160)} feature frames, but the featurizer's frames\(\) gave "
+                                         rf"{-(-n // 160) + 1}; they must agree"):
+        build_train_microbatches(trajs, plan, 0, cfg, featurize=off_by_one)
+
 
 def test_microbatches_are_checked_when_built_and_assembled_when_read(tiny_ckpt):
     """``build_train_microbatches`` assembles nothing; each micro-batch's info (what the step reads

@@ -103,7 +103,7 @@ def verify(url, trajs, pad_id, label=""):
         check_alignment(tr, pad_id)
         assert tr.audio_token_counts == audio_token_counts(tr.audios)
         res = asyncio.run(rescore(url, tr, pad_id))
-        assert res.prompt_token_ids == tr.input_ids_T, "the server sees other tokens than the trainer"
+        assert res.prompt_token_ids == tr.input_ids_T.tolist(), "the server sees other tokens than the trainer"
         m = np.array(tr.loss_mask_T, bool)
         ours = np.array(tr.rollout_logprobs_T)[m]
         theirs = np.array([np.nan] + res.prompt_logprobs[1:])[m]
@@ -241,10 +241,10 @@ def test_five_sampled_turns_with_audio_token_exact(vllm_server, tok, audio_dir):
     m = np.array(tr.loss_mask_T, bool)
     moved = np.abs(np.array(tr.rollout_logprobs_T)[m] - np.array([np.nan] + res.prompt_logprobs[1:])[m]).max()
     print(f"negative control (prompt clip replaced by noise): max logprob change {moved:.2e}")
-    assert res.prompt_token_ids == tr.input_ids_T and moved > 10 * LOGPROB_ATOL, moved
+    assert res.prompt_token_ids == tr.input_ids_T.tolist() and moved > 10 * LOGPROB_ATOL, moved
     # same seed, same server, same weights -> the same rollout
     _, again = run_sampled(vllm_server.url, tok, audio_dir)
-    assert [t.input_ids_T for t in again.trajectories] == [t.input_ids_T for t in trajs]
+    assert [t.input_ids_T.tolist() for t in again.trajectories] == [t.input_ids_T.tolist() for t in trajs]
 
 
 # ------------------------------------------------------------------------------- plugin + rewards

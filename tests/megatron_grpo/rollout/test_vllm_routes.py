@@ -82,7 +82,7 @@ def test_returned_routes_are_the_ids_the_layers_used(vllm_server, tok, audio_dir
     # the same conversation again: its prompts are prefix-cached now, so the server computes far
     # fewer positions, and the cached ones come back from vLLM's routed-experts store unchanged
     tr2, reqs2 = _rollout_recorded(vllm_server.url, tok, audio_dir, nonce)
-    assert tr2.input_ids_T == tr.input_ids_T
+    assert np.array_equal(tr2.input_ids_T, tr.input_ids_T)
     computed = sum(len(r) for r in reqs2)
     assert computed < (T - 1) // 2, f"no prefix cache hit: {computed} positions computed of {T}"
     assert np.array_equal(np.asarray(tr2.routed_experts), routed)
