@@ -371,11 +371,11 @@ def _step_audio(trajectories, mb_ids: Sequence[tuple[int, ...]], featurize: Opti
     :class:`ClipUse` (None without shared clips), every clip featurised and checked against its
     sample's audio-token runs (:func:`build_train_microbatches` says what is shared and kept).
 
-    With ``audio_tower`` the first micro-batch's batches of shared clips run through it here
-    (``ClipUse.prefetch``). Where the featurizer gives a clip's frame count from its length
-    (``featurize.frames``), the batches are planned from the lengths before any clip is featurised,
-    so only the clips of those first batches are featurised before they run, and the rest while the
-    device runs them."""
+    The shared clips' batches are planned from their frame counts: from their lengths where the
+    featurizer gives them (``featurize.frames``), so that with ``audio_tower`` only the clips of the
+    first micro-batch's batches are featurised and run through it here (``ClipUse.prefetch``) before
+    the rest are featurised, while the device runs them; else from their features, every clip
+    featurised first."""
     cache: dict = {}
     mine = [i for ids in mb_ids for i in ids]
     pool = keep_shared > 0  # every clip through SharedClips: a tower call per batch, not per micro-batch
@@ -384,25 +384,28 @@ def _step_audio(trajectories, mb_ids: Sequence[tuple[int, ...]], featurize: Opti
         clips_C = {shared_ix[id(a)]: a for i in mine for a in trajectories[i].audios if id(a) in shared_ix}
         orders = [_clip_order(ids, trajectories, shared_ix) for ids in mb_ids]
     frames_of = getattr(featurize, "frames", None)
-    shared = uses = None
-    if frames_of is not None and shared_ix:
-        with host_range("clip_batches"):
-            shared, uses = _shared_plan(span, [int(frames_of(clips_C[c])) for c in range(len(clips_C))], orders,
-                                        max_frames, keep_shared, pool)
-        if audio_tower is not None and uses[0] is not None:
-            first = [c for b in sorted({shared.batch_of[-1 - c] for c in uses[0].order if c < 0})
-                     for c in shared.batches[b]]
-            with host_range("featurise"):
-                _featurize_clips([clips_C[c] for c in first], featurize, cache)
-            if all(id(clips_C[c]) in cache for c in first):  # else the checks below name the clip
-                for c in first:
-                    shared.set_features(c, cache[id(clips_C[c])][1])
-                with host_range("prefetch_tower"):
-                    uses[0].prefetch(audio_tower)
+    if frames_of is None:  # the frame counts from the features: every clip featurised first
+        with host_range("featurise"):
+            _featurize_clips([a for i in mine for a in trajectories[i].audios], featurize, cache)
+        frames_of = lambda a: cache[id(a)][1].shape[-1] if id(a) in cache else 0  # noqa: E731 (refused: named below)
+    with host_range("clip_batches"):
+        shared, uses = (_shared_plan(span, [int(frames_of(clips_C[c])) for c in range(len(clips_C))], orders,
+                                     max_frames, keep_shared, pool) if shared_ix else (None, [None] * len(mb_ids)))
+    prefetch = audio_tower is not None and uses[0] is not None
+    if prefetch:  # the clips of the first micro-batch's batches first, then those batches through the tower
+        first = [c for b in sorted({shared.batch_of[-1 - c] for c in uses[0].order if c < 0})
+                 for c in shared.batches[b]]
+        with host_range("featurise"):
+            _featurize_clips([clips_C[c] for c in first], featurize, cache)
+        if all(id(clips_C[c]) in cache for c in first):  # else the checks below name the clip
+            for c in first:
+                shared.set_features(c, cache[id(clips_C[c])][1])
+            with host_range("prefetch_tower"):
+                uses[0].prefetch(audio_tower)
     with host_range("featurise"):
         _featurize_clips([a for i in mine for a in trajectories[i].audios], featurize, cache)
     with host_range("clip_batches"):
-        per_mb, feats_C = [], {}
+        per_mb = []
         for ids, order in zip(mb_ids, orders):
             feats, lens = [], []
             for i in ids:
@@ -411,25 +414,17 @@ def _step_audio(trajectories, mb_ids: Sequence[tuple[int, ...]], featurize: Opti
                 for j, (a, (f, ln)) in enumerate(zip(trajectories[i].audios,
                                                       _sample_audio(i, trajectories[i], featurize, n_window, cache))):
                     c = shared_ix.get(id(a))
-                    if c is not None and shared is not None and f.shape[-1] != shared.lens[c]:
+                    if c is None:
+                        feats.append(f)
+                        lens.append(ln)
+                    elif f.shape[-1] != shared.lens[c]:
                         raise ValueError(f"sample {i} (prompt {trajectories[i].prompt_index}): audio clip {j} of "
                                          f"{len(a)} samples has {f.shape[-1]} feature frames, but the featurizer's "
                                          f"frames() gave {shared.lens[c]}; they must agree")
-                    if c is not None:
-                        feats_C[c] = f
-                    else:
-                        feats.append(f)
-                        lens.append(ln)
+                    elif shared.features_MF[c] is None:
+                        shared.set_features(c, f)
             per_mb.append((feats, lens, order))
-        if shared is None and shared_ix:
-            shared, uses = _shared_plan(span, [feats_C[c].shape[-1] for c in range(len(feats_C))], orders,
-                                        max_frames, keep_shared, pool)
-        for c, f in feats_C.items():
-            if shared.features_MF[c] is None:
-                shared.set_features(c, f)
-    if uses is None:
-        uses = [None] * len(mb_ids)
-    elif audio_tower is not None and uses[0] is not None and not shared.prefetched:
+    if prefetch and not shared.prefetched:
         with host_range("prefetch_tower"):
             uses[0].prefetch(audio_tower)
     return per_mb, uses
