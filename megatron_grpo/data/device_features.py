@@ -173,13 +173,13 @@ class DeviceFeaturizer:
 def trainer_featurizer(feature_extractor, device_features: bool = True):
     """What ``mgrpo train`` featurises with: a :class:`DeviceFeaturizer` on the current CUDA device
     when ``device_features`` and CUDA is there, else the host extractor
-    (``engine.batch.featurizer_from_extractor``)."""
+    (``engine.step_audio.featurizer_from_extractor``)."""
     if device_features and torch.cuda.is_available():
         if float(getattr(feature_extractor, "dither", 0.0)) == 0.0:
             return DeviceFeaturizer(feature_extractor, torch.device("cuda", torch.cuda.current_device()))
         logging.getLogger("megatron_grpo.data").warning(
             "trainer.device_features: the feature extractor dithers (dither=%s, random per call); "
             "featurising on the host instead", feature_extractor.dither)
-    from megatron_grpo.engine.batch import featurizer_from_extractor
+    from megatron_grpo.engine.step_audio import featurizer_from_extractor
 
     return featurizer_from_extractor(feature_extractor)

@@ -91,7 +91,7 @@ def trajectory_to_record(t: Trajectory, clips: list, index: dict) -> dict:
 def trajectory_from_record(d: dict, waves: list) -> Trajectory:
     """The trajectory of record ``d``; ``waves`` (the step's clips as numpy arrays, :func:`load_step`)
     are used as they are, so a clip several samples share (a group's recording) is again one object,
-    as in the live run (the trainer then runs it through the audio tower once, ``engine.batch``)."""
+    as in the live run (the trainer then runs it through the audio tower once, ``engine.step_audio``)."""
     kw = dict(d)
     kw["input_ids_T"], kw["loss_mask_T"], kw["rollout_logprobs_T"] = token_arrays(
         *(kw[name].numpy() for name in _TENSOR_FIELDS))  # as the rollout hands them

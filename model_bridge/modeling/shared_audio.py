@@ -25,7 +25,7 @@ Cost per clip used ``k`` times, instead of ``k`` forwards and backwards (about `
 forward-units): kept, one forward and one backward (3 units); recomputed, two forwards and one
 backward (4 units), so a recomputed clip belongs here only with ``k >= 2``. A kept clip used once
 costs what it costs in its micro-batch's own tower call, and the tower runs once per batch instead
-of once per micro-batch: ``engine.batch`` then pools every clip of a rank's step here (the batches
+of once per micro-batch: ``engine.step_audio`` then pools every clip of a rank's step here (the batches
 of the clips one micro-batch alone uses are freed before the next batch runs, so they are always
 kept: ``always_keep``). Memory: the kept batches' activations
 from their first to their last user (at most ``keep_frames`` frames of audio), and one recomputed

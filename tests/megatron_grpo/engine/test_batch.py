@@ -12,7 +12,7 @@ from test_step import BUDGET, _featurizer, make_data
 def test_pooled_batches_cut_at_micro_batches_and_keep_the_local_ones():
     """Clips that one micro-batch alone uses go in batches of whole micro-batches (all kept); the
     ones several micro-batches use follow in first-use order, cut at ``max_frames``."""
-    from megatron_grpo.engine.batch import _pooled_batches
+    from megatron_grpo.engine.step_audio import _pooled_batches
 
     # clip -> (first, last) micro-batch; frames per clip
     span = {0: (0, 0), 1: (0, 3), 2: (0, 0), 3: (1, 1), 4: (2, 2), 5: (2, 2), 6: (2, 4), 7: (3, 3)}

@@ -1,5 +1,5 @@
 """``frame_batches``: the greedy cut of clips into tower batches of at most a budget of frames that
-``SharedClips`` and the trainer's pooled batches (``engine.batch._pooled_batches``) share. The
+``SharedClips`` and the trainer's pooled batches (``engine.step_audio._pooled_batches``) share. The
 tower's values through those batches: tests/megatron_grpo/engine/test_shared_clips.py."""
 from __future__ import annotations
 
