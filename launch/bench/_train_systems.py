@@ -52,9 +52,10 @@ class TrainBench:
     """One engine, one list of trajectories, the systems above as methods returning their times (s)."""
 
     def __init__(self, engine, trajectories, packing, step_cfg, featurize, device, shared_clips: bool = True,
-                 keep_shared: float = 0.5):
+                 keep_shared: float = 0.5, audio_stream: bool = False):
         import torch
 
+        from megatron_grpo.engine.audio_stream import audio_tower_stream
         from megatron_grpo.engine.setup import unwrapped
         from megatron_grpo.engine.step import audio_prefetch_tower
         from megatron_grpo.packing import plan_step
@@ -64,6 +65,7 @@ class TrainBench:
         self.shared_kept = None
         self.thinker = unwrapped(engine.model[0])
         self.tower = audio_prefetch_tower(engine, step_cfg)  # what mgrpo train hands the build
+        self.side = audio_tower_stream(engine, audio_stream, pooled=shared_clips and keep_shared > 0)
         self.step_no = 0
         self.lengths = [t.num_tokens for t in trajectories]
         plan = plan_step(self.lengths, 1, packing)
@@ -102,7 +104,7 @@ class TrainBench:
                                         featurize=self.featurize if feat_s is None else timed,
                                         n_window=self.engine.spec.audio.n_window, share_clips=self.shared_clips,
                                         keep_shared=self.keep_shared if keep_shared is None else keep_shared,
-                                        audio_tower=self.tower if prefetch else None)
+                                        audio_tower=self.tower if prefetch else None, tower_stream=self.side)
 
     def train(self, keep_shared=None, prefetch: bool = True) -> dict:
         """``mgrpo train``'s step 3-4 as it runs (one sync, at the end); ``keep_shared`` overrides
