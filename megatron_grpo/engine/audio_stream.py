@@ -71,9 +71,9 @@ def side_stream_fallback_reason(*, enabled: bool, cuda: bool, pooled: bool, over
 def audio_tower_stream(engine, enabled: bool = True, pooled: bool = True) -> Optional[TowerStream]:
     """The :class:`TowerStream` for ``build_train_microbatches(tower_stream=...)``, or None (module
     doc; the reason is logged once)."""
-    from .setup import unwrapped
+    from model_bridge.load import unwrap_model
 
-    thinker = unwrapped(engine.model[0])
+    thinker = unwrap_model(engine.model[0])
     tower = getattr(thinker, "audio_tower", None)
     layout = engine.layout
     reason = side_stream_fallback_reason(enabled=enabled, cuda=torch.cuda.is_available(), pooled=pooled,
