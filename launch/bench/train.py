@@ -22,7 +22,9 @@ Systems (``_train_systems``), run in turns, round by round (``--warmup`` untimed
 schedule check -> ``train_step``), ``train_recompute`` (the same with every shared recording
 recomputed in the backward instead of its first pass kept: ``trainer.shared_clips_keep: 0``;
 ``--shared-keep`` sets ``train``'s; ``--audio-stream`` / ``--no-audio-stream``: every system's
-tower batches on their own CUDA stream / on the main one, ``trainer.audio_stream``), ``train_serial`` (the same with no audio-tower batch started
+tower batches on their own CUDA stream / on the main one, ``trainer.audio_stream``),
+``train_main_stream`` (the same with the tower on the main stream whatever ``--audio-stream``
+says), ``train_serial`` (the same with no audio-tower batch started
 while the host packs: ``ClipUse.prefetch`` off), ``train_split`` (the same with a sync between the parts),
 ``stack`` (layer stack alone: embedding, decoder, final norm), ``stack_lm`` (layer stack + fused
 LM-head logprob), ``audio`` (the audio tower alone), ``h2d`` (the micro-batches' copy to the device).
@@ -66,7 +68,7 @@ TARGET_VS_STACK_LM = 0.8
 """``train`` tokens/s over ``stack_lm`` tokens/s."""
 TARGET_HOST_SHARE = 0.05
 """featurise + pack + H2D over the training phase."""
-SYSTEMS = ("train", "train_recompute", "train_serial", "train_split", "stack", "stack_lm", "audio", "h2d")
+SYSTEMS = ("train", "train_recompute", "train_main_stream", "train_serial", "train_split", "stack", "stack_lm", "audio", "h2d")
 
 
 def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16, mb_tokens: int | str = "auto",
