@@ -68,7 +68,8 @@ TARGET_VS_STACK_LM = 0.8
 """``train`` tokens/s over ``stack_lm`` tokens/s."""
 TARGET_HOST_SHARE = 0.05
 """featurise + pack + H2D over the training phase."""
-SYSTEMS = ("train", "train_recompute", "train_main_stream", "train_serial", "train_split", "stack", "stack_lm", "audio", "h2d")
+SYSTEMS = ("train", "train_recompute", "train_main_stream", "train_serial", "train_split", "stack", "stack_lm", "audio",
+           "h2d")
 
 
 def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16, mb_tokens: int | str = "auto",
@@ -279,12 +280,12 @@ def report(res: dict) -> dict:
         r["train_vs_stack_lm_tok_s"] = stack_lm / train
     if train and stack:
         r["train_vs_stack_tok_s"] = stack / train
-    recompute = med("train_recompute", "phase_s_median")
-    if train and recompute:  # what keeping the shared recordings' first pass saves
-        r["train_vs_train_recompute_tok_s"] = recompute / train
-    serial = med("train_serial", "phase_s_median")
-    if train and serial:  # what starting the tower during the packing saves
-        r["train_vs_train_serial_tok_s"] = serial / train
+    # what keeping the shared recordings' first pass, the tower's own stream, starting the tower
+    # during the packing save
+    for other in ("train_recompute", "train_main_stream", "train_serial"):
+        t = med(other, "phase_s_median")
+        if train and t:
+            r[f"train_vs_{other}_tok_s"] = t / train
     phase = split.get("phase_s_median")
     if phase:
         fb = split["forward_backward_s_median"]
