@@ -132,7 +132,8 @@ def step_audio(trajectories, mb_ids: Sequence[tuple[int, ...]], featurize: Optio
         frames_of = lambda a: cache[id(a)][1].shape[-1] if id(a) in cache else 0  # noqa: E731 (refused: named below)
     with host_range("clip_batches"):
         shared, uses = (_shared_plan(span, [int(frames_of(clips_C[c])) for c in range(len(clips_C))], orders,
-                                     max_frames, keep_shared, pool, side if pool else None) if shared_ix else (None, [None] * len(mb_ids)))
+                                     max_frames, keep_shared, pool, side if pool else None)
+                        if shared_ix else (None, [None] * len(mb_ids)))
     prefetch = audio_tower is not None and uses[0] is not None
     if prefetch:  # the clips of the first micro-batch's batches first, then those batches through the tower
         first = [c for b in sorted({shared.batch_of[-1 - c] for c in uses[0].order if c < 0})
@@ -208,7 +209,8 @@ def _shared_plan(span: dict[int, tuple[int, int]], frames_C: Sequence[int], orde
     for k in range(len(uses) - 1):
         if uses[k] is not None and uses[k + 1] is not None:  # in the order the next one's forward runs them
             runs = [b for clips in uses[k + 1].split() for b in sorted({shared.batch_of[c] for c in clips})]
-            uses[k] = dataclasses.replace(uses[k], ahead=tuple(b for b in dict.fromkeys(runs) if batch_first[b] == k + 1))
+            ahead = tuple(b for b in dict.fromkeys(runs) if batch_first[b] == k + 1)
+            uses[k] = dataclasses.replace(uses[k], ahead=ahead)
     return shared, uses
 
 
