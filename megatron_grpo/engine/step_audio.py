@@ -132,7 +132,7 @@ def step_audio(trajectories, mb_ids: Sequence[tuple[int, ...]], featurize: Optio
         frames_of = lambda a: cache[id(a)][1].shape[-1] if id(a) in cache else 0  # noqa: E731 (refused: named below)
     with host_range("clip_batches"):
         shared, uses = (_shared_plan(span, [int(frames_of(clips_C[c])) for c in range(len(clips_C))], orders,
-                                     max_frames, keep_shared, pool, side if pool else None)
+                                     max_frames, keep_shared, pool, side)
                         if shared_ix else (None, [None] * len(mb_ids)))
     prefetch = audio_tower is not None and uses[0] is not None
     if prefetch:  # the clips of the first micro-batch's batches first, then those batches through the tower
@@ -191,12 +191,12 @@ def _shared_plan(span: dict[int, tuple[int, int]], frames_C: Sequence[int], orde
     batches of at most a micro-batch's budget of audio frames (``max_frames``; shared_audio.py), and
     each micro-batch's :class:`ClipUse` (None without shared clips; ``orders``: :func:`_clip_order`):
     the batches it is the last user of, and those the next micro-batch is the first user of
-    (``ahead``, launched by its forward on the ``side`` stream)."""
+    (``ahead``, launched by its forward on the ``side`` stream, used with ``pool`` only)."""
     keep_frames = int(keep_shared * max_frames)
     batches, always = (_pooled_batches(span, frames_C, min(max_frames, keep_frames), max_frames)
                        if pool else (None, ()))
     shared = SharedClips([None] * len(frames_C), max_frames=max_frames, keep_frames=keep_frames, batches=batches,
-                         always_keep=always, lens=frames_C, side=side)
+                         always_keep=always, lens=frames_C, side=side if pool else None)
     batch_first: dict[int, int] = {}
     batch_last: dict[int, int] = {}
     for c, (f, k) in span.items():

@@ -178,20 +178,17 @@ class SharedClips:
         leaves cached; on the side stream when there is one."""
         live = sum(self.batch_frames[k] for k in self._kept if k not in self.always_keep and k not in freed)
         keep = torch.is_grad_enabled() and (b in self.always_keep or live + self.batch_frames[b] <= self.keep_frames)
-        main = torch.cuda.current_stream() if self.side is not None else None
-        if main is not None:
-            self.side.stream.wait_stream(main)  # the features (the featurizer's kernels), the weights
-        with torch.cuda.stream(self.side.stream) if main is not None else contextlib.nullcontext():
+        with self._on_side():  # after the current stream's work: the features (the featurizer's kernels)
             with torch.set_grad_enabled(keep):  # without: no activations are kept
                 outs = self._run(tower, b)
             # float32 leaves: the uses' gradients add up as in the fp32 grad buffers
             leaves = [out.detach().float().requires_grad_(True) for out in outs]
-            if main is not None:
+            if self.side is not None:
                 self._ready[b] = torch.cuda.Event()
-                self._ready[b].record(self.side.stream)
-        if main is not None:
+                self._ready[b].record()
+        if self.side is not None:
             for leaf in leaves:
-                leaf.record_stream(main)  # read there; freed only once that is done
+                leaf.record_stream(torch.cuda.current_stream())  # read there; freed only once that is done
         if keep:
             self._kept[b] = outs
             self.kept_batches += 1
@@ -252,23 +249,29 @@ class SharedClips:
             outs = self._kept.pop(b, None)
             if all(t is None for t in totals):
                 continue  # no use reached the loss
-            if self.side is None:
-                if outs is None:
-                    with torch.enable_grad():
-                        outs = self._run(tower, b)
-                torch.autograd.backward([o for o, t in zip(outs, totals) if t is not None],
-                                        [t.to(o.dtype) for o, t in zip(outs, totals) if t is not None])
-                continue
-            self.side.stream.wait_stream(torch.cuda.current_stream())  # the uses' gradients
-            for t in totals:
-                if t is not None:
-                    t.record_stream(self.side.stream)
-            with torch.cuda.stream(self.side.stream):
+            with self._on_side([t for t in totals if t is not None]):  # after the uses' gradients
                 if outs is None:
                     with torch.enable_grad():
                         outs = self._run(tower, b)
                 used = [(o, t.to(o.dtype)) for o, t in zip(outs, totals) if t is not None]
-                self.side.backward([o for o, _ in used], [t for _, t in used], tower)
+                if self.side is None:
+                    torch.autograd.backward([o for o, _ in used], [t for _, t in used])
+                else:
+                    self.side.backward([o for o, _ in used], [t for _, t in used], tower)
+
+    @contextlib.contextmanager
+    def _on_side(self, read: Sequence[torch.Tensor] = ()):
+        """The block on the side stream, which first waits for the current stream's work and keeps
+        ``read`` (tensors of the current stream the block uses) from being reused until it is done;
+        without a side stream, the block as it is."""
+        if self.side is None:
+            yield
+            return
+        self.side.stream.wait_stream(torch.cuda.current_stream())
+        for t in read:
+            t.record_stream(self.side.stream)
+        with torch.cuda.stream(self.side.stream):
+            yield
 
 
 class _RecomputeTower(torch.autograd.Function):
