@@ -188,12 +188,6 @@ class TrainerSection:
     kept activations are memory the ``auto`` budget does not count (at 8 full-width layers on one
     H200, 1 ran out of memory, 0.5 peaked 4.7 GiB over 0). 0: only the shared recordings go
     through the tower once, each recomputed (the least memory)."""
-    audio_stream: bool = False
-    """On GPU, the pooled clips' audio-tower batches (``shared_clips`` with ``shared_clips_keep > 0``)
-    run on a CUDA stream of their own, overlapping the decoder's micro-batches
-    (``megatron_grpo/engine/audio_stream.py``); falls back to the main stream with one logged reason
-    where it does not apply (CPU, a tensor-parallel tower, PP > 1, ``optimizer.overlap_grad_reduce``,
-    CUDA graphs; docs/training.md)."""
     device_features: bool = True
     """On GPU, compute the audio clips' log-mel features on the device
     (``data/device_features.py``, the Whisper extractor's math in torch, within 2e-3 of it) instead

@@ -309,7 +309,6 @@ def build_run(cfg: TrainConfig, resume: bool = False) -> Run:
 
 def train(cfg: TrainConfig, resume: bool = False) -> int:
     """Run (or resume) the job described by `cfg` on this process's rank; returns an exit code."""
-    from megatron_grpo.engine.audio_stream import audio_tower_stream
     from megatron_grpo.engine.batch import build_train_microbatches
     from megatron_grpo.engine.signals import PreemptionHandler
     from megatron_grpo.engine.step import audio_prefetch_tower, train_step
@@ -318,8 +317,6 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
     run = build_run(cfg, resume)
     cfg, src, engine = run.cfg, run.source, run.engine
     tower = audio_prefetch_tower(engine, run.step_cfg)  # runs on the first micro-batch's clips while packing
-    side = audio_tower_stream(engine, cfg.trainer.audio_stream,
-                              pooled=cfg.trainer.shared_clips and cfg.trainer.shared_clips_keep > 0)
     preempt = PreemptionHandler().install()
     no_signal = False
     try:
@@ -339,8 +336,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
                                                    n_window=engine.spec.audio.n_window,
                                                    routes=cfg.rollout.routing_replay == "r3",
                                                    share_clips=cfg.trainer.shared_clips,
-                                                   keep_shared=cfg.trainer.shared_clips_keep, audio_tower=tower,
-                                                   tower_stream=side)
+                                                   keep_shared=cfg.trainer.shared_clips_keep, audio_tower=tower)
                     check_schedule(StepSchedule.from_microbatches(step, mbs))
                     lps = {} if run.kept.wants(step) else None
                     with wd.collective("train_step"):                       # 5. train step

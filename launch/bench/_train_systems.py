@@ -7,8 +7,6 @@ and optimizer) and the same trajectories; each is one "step" over the step's mic
   ``mgrpo train`` runs them) -> ``check_schedule`` -> ``train_step``; timed with a sync at its end only;
 * ``train_recompute``: the same with ``trainer.shared_clips_keep: 0`` (every shared recording's
   first pass recomputed in the backward instead of kept);
-* ``train_main_stream``: ``train`` with the tower's batches on the main CUDA stream whatever
-  ``--audio-stream`` says (``trainer.audio_stream: false``; the same as ``train`` without it);
 * ``train_serial``: ``train`` with no tower batch started during the build (the device idle until
   the step's first forward but for the featurizer's work: what the prefetch saves);
 * ``train_split``: the same calls with syncs between them (and no tower batch started during the
@@ -54,10 +52,9 @@ class TrainBench:
     """One engine, one list of trajectories, the systems above as methods returning their times (s)."""
 
     def __init__(self, engine, trajectories, packing, step_cfg, featurize, device, shared_clips: bool = True,
-                 keep_shared: float = 0.5, audio_stream: bool = False):
+                 keep_shared: float = 0.5):
         import torch
 
-        from megatron_grpo.engine.audio_stream import audio_tower_stream
         from megatron_grpo.engine.setup import unwrapped
         from megatron_grpo.engine.step import audio_prefetch_tower
         from megatron_grpo.packing import plan_step
@@ -67,7 +64,6 @@ class TrainBench:
         self.shared_kept = None
         self.thinker = unwrapped(engine.model[0])
         self.tower = audio_prefetch_tower(engine, step_cfg)  # what mgrpo train hands the build
-        self.side = audio_tower_stream(engine, audio_stream, pooled=shared_clips and keep_shared > 0)
         self.step_no = 0
         self.lengths = [t.num_tokens for t in trajectories]
         plan = plan_step(self.lengths, 1, packing)
@@ -87,7 +83,7 @@ class TrainBench:
 
     # ---- the training phase -------------------------------------------------------------------
 
-    def _build(self, plan, feat_s: list | None, keep_shared=None, prefetch: bool = False, side: bool = True):
+    def _build(self, plan, feat_s: list | None, keep_shared=None, prefetch: bool = False):
         """The step's micro-batches; with ``feat_s``, featurising is timed into ``feat_s[0]`` (with a
         sync after the device featurizer's kernels); without it, it runs as in ``mgrpo train``: the
         featurizer's kernels overlap the host's packing. ``prefetch``: the first micro-batch's tower
@@ -106,10 +102,9 @@ class TrainBench:
                                         featurize=self.featurize if feat_s is None else timed,
                                         n_window=self.engine.spec.audio.n_window, share_clips=self.shared_clips,
                                         keep_shared=self.keep_shared if keep_shared is None else keep_shared,
-                                        audio_tower=self.tower if prefetch else None,
-                                        tower_stream=self.side if side else None)
+                                        audio_tower=self.tower if prefetch else None)
 
-    def train(self, keep_shared=None, prefetch: bool = True, side: bool = True) -> dict:
+    def train(self, keep_shared=None, prefetch: bool = True) -> dict:
         """``mgrpo train``'s step 3-4 as it runs (one sync, at the end); ``keep_shared`` overrides
         ``trainer.shared_clips_keep``; ``prefetch=False``: no tower batch runs during the build."""
         from megatron_grpo.engine.step import train_step
@@ -123,12 +118,12 @@ class TrainBench:
         with host_range(PHASE):
             with host_range("plan"):
                 plan = plan_step(self.lengths, 1, self.packing)
-            mbs = self._build(plan, None, keep_shared, prefetch=prefetch, side=side)
+            mbs = self._build(plan, None, keep_shared, prefetch=prefetch)
             check_schedule(StepSchedule.from_microbatches(self.step_no, mbs))
             m = train_step(self.engine, mbs, self.cfg, step=self.step_no)
             with host_range("end_sync"):
                 _sync(self.device)
-        if keep_shared is None and prefetch and side:
+        if keep_shared is None and prefetch:
             self.last_metrics = m
             shared = next((x.clip_use.shared for x in mbs if x.clip_use), None)
             self.shared_kept = None if shared is None else {"batches": len(shared.batches),
@@ -250,7 +245,6 @@ class TrainBench:
         """name -> callable returning that system's times of one step."""
         table = {"train": self.train, "train_recompute": partial(self.train, 0.0),
                  "train_serial": partial(self.train, None, False), "train_split": self.train_split,
-                 "train_main_stream": partial(self.train, None, True, False),
                  "stack": self.stack,
                  "stack_lm": partial(self.stack, True), "audio": self.audio, "h2d": self.h2d}
         unknown = [n for n in names if n not in table]

@@ -21,10 +21,7 @@ Systems (``_train_systems``), run in turns, round by round (``--warmup`` untimed
 ``train`` (the phase as ``mgrpo train`` runs it: plan -> build micro-batches with features ->
 schedule check -> ``train_step``), ``train_recompute`` (the same with every shared recording
 recomputed in the backward instead of its first pass kept: ``trainer.shared_clips_keep: 0``;
-``--shared-keep`` sets ``train``'s; ``--audio-stream`` / ``--no-audio-stream``: every system's
-tower batches on their own CUDA stream / on the main one, ``trainer.audio_stream``),
-``train_main_stream`` (the same with the tower on the main stream whatever ``--audio-stream``
-says), ``train_serial`` (the same with no audio-tower batch started
+``--shared-keep`` sets ``train``'s), ``train_serial`` (the same with no audio-tower batch started
 while the host packs: ``ClipUse.prefetch`` off), ``train_split`` (the same with a sync between the parts),
 ``stack`` (layer stack alone: embedding, decoder, final norm), ``stack_lm`` (layer stack + fused
 LM-head logprob), ``audio`` (the audio tower alone), ``h2d`` (the micro-batches' copy to the device).
@@ -68,15 +65,14 @@ TARGET_VS_STACK_LM = 0.8
 """``train`` tokens/s over ``stack_lm`` tokens/s."""
 TARGET_HOST_SHARE = 0.05
 """featurise + pack + H2D over the training phase."""
-SYSTEMS = ("train", "train_recompute", "train_main_stream", "train_serial", "train_split", "stack", "stack_lm", "audio",
-           "h2d")
+SYSTEMS = ("train", "train_recompute", "train_serial", "train_split", "stack", "stack_lm", "audio", "h2d")
 
 
 def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16, mb_tokens: int | str = "auto",
               systems=SYSTEMS, warmup: int = 1, iters: int = 3, seed: int = 0, tiny: bool = False,
               device: str | None = None, work_dir=None, host_features: bool = False, hf_dir=None,
               cuda_graphs: bool | str = "auto", shared_clips: bool = True, keep_shared: float = 0.5, profile=(),
-              syncs=(), audio_stream: bool = False) -> dict:
+              syncs=()) -> dict:
     """Run the benchmark (module docstring); write ``bench_train.json`` / ``.png`` under ``out_dir``."""
     import torch
 
@@ -131,7 +127,7 @@ def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16
                                    ranges=TINY_RANGES if tiny else None, n_window=engine.spec.audio.n_window)
         bench = TrainBench(engine, trajs, PackLimits(max_tokens_per_microbatch=mb_tokens, allow_oversized=True),
                            StepConfig(max_consecutive_skips=10**6), featurize, dev,  # report, never stop
-                           shared_clips=shared_clips, keep_shared=keep_shared, audio_stream=audio_stream)
+                           shared_clips=shared_clips, keep_shared=keep_shared)
         say(f"{samples} samples, {bench.real_tokens} tokens ({bench.total_tokens} with padding) in "
             f"{len(bench.host_mbs)} micro-batches, {bench.num_clips} clips; {warmup} + {iters} rounds of "
             f"{', '.join(systems)}")
@@ -166,7 +162,7 @@ def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16
                "audio_seconds": sum(len(w) for t in trajs for w in t.audios) / 16000.0,
                "audio_seconds_distinct": sum(len(w) for w in {id(w): w for t in trajs for w in t.audios}.values()) / 16000.0,
                "shared_clips": shared_clips, "shared_clips_keep": keep_shared,
-               "shared_batches_kept": bench.shared_kept, "audio_stream": bench.side is not None,
+               "shared_batches_kept": bench.shared_kept,
                "systems": {n: _summary(v, bench.real_tokens) for n, v in rows.items()},
                "optimizer_bound": optimizer_bound(engine, dev),
                "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None,
@@ -280,12 +276,12 @@ def report(res: dict) -> dict:
         r["train_vs_stack_lm_tok_s"] = stack_lm / train
     if train and stack:
         r["train_vs_stack_tok_s"] = stack / train
-    # what keeping the shared recordings' first pass, the tower's own stream, starting the tower
-    # during the packing save
-    for other in ("train_recompute", "train_main_stream", "train_serial"):
-        t = med(other, "phase_s_median")
-        if train and t:
-            r[f"train_vs_{other}_tok_s"] = t / train
+    recompute = med("train_recompute", "phase_s_median")
+    if train and recompute:  # what keeping the shared recordings' first pass saves
+        r["train_vs_train_recompute_tok_s"] = recompute / train
+    serial = med("train_serial", "phase_s_median")
+    if train and serial:  # what starting the tower during the packing saves
+        r["train_vs_train_serial_tok_s"] = serial / train
     phase = split.get("phase_s_median")
     if phase:
         fb = split["forward_backward_s_median"]
@@ -376,7 +372,7 @@ def _cmd(args: argparse.Namespace) -> int:
               mb_tokens=args.mb_tokens, systems=systems, warmup=args.warmup, iters=args.iters, seed=args.seed,
               tiny=args.tiny, device=args.device, work_dir=args.work_dir, host_features=args.host_features,
               hf_dir=args.hf_dir, cuda_graphs=args.cuda_graphs, shared_clips=not args.no_shared_clips,
-              keep_shared=args.shared_keep, audio_stream=args.audio_stream,
+              keep_shared=args.shared_keep,
               profile=[x for x in args.profile.split(",") if x], syncs=[x for x in args.syncs.split(",") if x])
     return 0
 
@@ -403,8 +399,6 @@ def _budget(text: str) -> int | str:
 
 
 def add_parser(bsub) -> argparse.ArgumentParser:
-    from megatron_grpo.config import TrainerSection
-
     s = bsub.add_parser("train", help="the training phase of mgrpo train (features, packing, train_step) vs the "
                                       "layer stack (+ LM head), where its time goes",
                         description=doc_description(__doc__))
@@ -432,10 +426,6 @@ def add_parser(bsub) -> argparse.ArgumentParser:
                    help="trainer.shared_clips_keep of the train systems (default 0.5, the trainer's: keep the "
                         "recordings' first pass for the backward, up to half a micro-batch budget of audio; "
                         "0: recompute them)")
-    s.add_argument("--audio-stream", action=argparse.BooleanOptionalAction, default=TrainerSection.audio_stream,
-                   help="the audio tower's batches on a CUDA stream of their own, overlapping the decoder "
-                        "(trainer.audio_stream) / on the main stream; default: as mgrpo train "
-                        f"({TrainerSection.audio_stream})")
     s.add_argument("--profile", default="", help="comma-separated systems to run once more under torch.profiler "
                                                  "after the timed rounds: their top kernels into profile_NAME.txt and the JSON")
     s.add_argument("--syncs", default="", help="comma-separated systems to run once more with every host sync "

@@ -5,7 +5,7 @@
 #
 # STEP (default: tests layers2): tests | tests1 | tests2 | layers2 | layers2g | layers4 | layers8 | mb3072
 #       | ep2 | ep4 | ep8 | ep8_16l | sync | train4 | train8 | profile4 | graphs4 | graphs4_16k
-#       | graphs4_4k | audio_front | syncs4 | stream4 | install
+#       | graphs4_4k | audio_front | syncs4 | install
 # * installs megatron-core from .whl/megatron_core-*.whl when it does not import (only that wheel:
 #   soundfile's wheel needs cffi, which the image lacks, and breaks librosa's import);
 # * tests: pytest -m gpu over the test files that have GPU tests (collecting all of tests/ fails
@@ -21,13 +21,11 @@
 #   samples, a budget where trainer.cuda_graphs: auto turns graphs on; audio_front: the audio
 #   conv front-end, fused Triton passes against unfused, one process; syncs4: the 4-layer phase at
 #   16,896-token micro-batches, its device idle time by host range (--profile train) and its host
-#   syncs by call site (--syncs train,stack_lm); stream4: the 4-layer phase with the audio tower on
-#   its own CUDA stream (trainer.audio_stream) and on the main one (train_main_stream), one run;
-#   install: only the megatron-core install above);
+#   syncs by call site (--syncs train,stack_lm); install: only the megatron-core install above);
 # every step has its own time limit and writes under OUT (logs, JSON, PNG, profiles); more than 8 files
 # there end up in one archive, OUT/checks.tgz (the device tool returns at most 8 files).
 set -uo pipefail
-OUT=${1:?usage: launch/gpu/checks.sh OUT [tests|tests1|tests2|layers2|layers2g|layers4|layers8|mb3072|ep2|ep4|ep8|ep8_16l|sync|train4|train8|profile4|graphs4|graphs4_16k|graphs4_4k|audio_front|syncs4|stream4|install ...]}
+OUT=${1:?usage: launch/gpu/checks.sh OUT [tests|tests1|tests2|layers2|layers2g|layers4|layers8|mb3072|ep2|ep4|ep8|ep8_16l|sync|train4|train8|profile4|graphs4|graphs4_16k|graphs4_4k|audio_front|syncs4|install ...]}
 shift
 STEPS=("${@:-tests layers2}")
 # OUT must be new or empty: at the end everything under it may be packed into one archive and removed
@@ -81,8 +79,6 @@ PY
     syncs4) bench syncs4 300 train --layers 4 --samples 64 --mb-tokens 16896 --systems train,stack_lm --iters 2 \
               --profile train --syncs train,stack_lm --out "$OUT/syncs4" --work-dir /tmp/bench_train || rc=1
             grep -h "^#" "$OUT"/syncs4/profile_*.txt 2>/dev/null; grep -A8 "host syncs in one" "$OUT/syncs4.log" ;;
-    stream4) bench stream4 300 train --layers 4 --samples 64 --systems train,train_main_stream,stack_lm --iters 3 \
-               --audio-stream --out "$OUT/stream4" --work-dir /tmp/bench_train || rc=1 ;;
     install) ;;  # megatron-core is installed above
     layers4) bench layers4 300 layers --layers 4 --systems ours,ours_mb_rc,hf_bs1 --out "$OUT/layers4" || rc=1 ;;
     layers8) bench layers8 300 layers --layers 8 --systems ours --out "$OUT/layers8" || rc=1 ;;
@@ -92,7 +88,7 @@ PY
     ep8) bench ep8 360 layers --layers 2 --ep 8 --hang-timeout 150 --timeout 340 --out "$OUT/ep8" || rc=1 ;;
     ep8_16l) bench ep8_16l 480 layers --layers 16 --ep 8 --hang-timeout 200 --timeout 460 --out "$OUT/ep8_16l" || rc=1 ;;
     sync) bench sync 420 sync --out "$OUT/sync" || rc=1 ;;
-    *) echo "unknown step $step (tests|tests1|tests2|layers2|layers2g|layers4|layers8|mb3072|ep2|ep4|ep8|ep8_16l|sync|train4|train8|profile4|graphs4|graphs4_16k|graphs4_4k|audio_front|syncs4|stream4|install)"; rc=2 ;;
+    *) echo "unknown step $step (tests|tests1|tests2|layers2|layers2g|layers4|layers8|mb3072|ep2|ep4|ep8|ep8_16l|sync|train4|train8|profile4|graphs4|graphs4_16k|graphs4_4k|audio_front|syncs4|install)"; rc=2 ;;
   esac
 done
 # the device tool brings back at most 8 files from OUT: past that, one archive of them all

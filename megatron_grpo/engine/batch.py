@@ -288,7 +288,7 @@ def build_train_microbatches(trajectories: Sequence, plan: PackPlan, dp_rank: in
                              feature_extractor=None, n_window: int = 50,
                              ref_logprobs_by_sample: Optional[Sequence[torch.Tensor]] = None,
                              routes: bool = False, share_clips: bool = True,
-                             keep_shared: float = 0.5, audio_tower=None, tower_stream=None) -> StepMicroBatches:
+                             keep_shared: float = 0.5, audio_tower=None) -> StepMicroBatches:
     """The micro-batches of DP rank ``dp_rank`` under ``plan``, a :class:`StepMicroBatches`: the
     input is converted, checked and featurised in this call; each :class:`TrainMicroBatch` is
     assembled when first read (R3's ``routes``: all of them in this call, which checks their shapes).
@@ -313,9 +313,7 @@ def build_train_microbatches(trajectories: Sequence, plan: PackPlan, dp_rank: in
     ``audio_tower`` (the model's tower on this rank, making no collective; only when the next pass
     over these micro-batches is the training pass: ``engine.step.audio_prefetch_tower``): the first
     micro-batch's batches of shared clips go through it as soon as they are featurised, so the
-    device runs them while the host packs the tokens (``ClipUse.prefetch``). ``tower_stream``
-    (``engine.audio_stream.audio_tower_stream``): the pooled clips' tower batches run on that CUDA
-    stream, overlapping the decoder's micro-batches (``shared_audio``, "Side stream").
+    device runs them while the host packs the tokens (``ClipUse.prefetch``).
     """
     if keep_shared < 0:
         raise ValueError(f"keep_shared must be >= 0 (0: recompute every shared clip), got {keep_shared}")
@@ -338,8 +336,7 @@ def build_train_microbatches(trajectories: Sequence, plan: PackPlan, dp_rank: in
     # and a prefetched tower batch, then run while the host packs the tokens
     mb_ids = [tuple(int(i) for i in ids) for ids in plan.microbatches[dp_rank]]
     per_mb, uses = step_audio(trajectories, mb_ids, featurize, n_window, share_clips, keep_shared,
-                               config.max_tokens_per_microbatch * 2 * n_window // TOKENS_PER_FULL_CHUNK, audio_tower,
-                               tower_stream)
+                               config.max_tokens_per_microbatch * 2 * n_window // TOKENS_PER_FULL_CHUNK, audio_tower)
     with host_range("pack"):  # every check on the input here, before any micro-batch runs (hang invariant)
         tokens = {i: _sample_tokens(i, trajectories[i]) for i in mine}  # (ids, mask, rollout logprobs)
         refs = None if ref_logprobs_by_sample is None else \

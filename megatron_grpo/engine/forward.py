@@ -31,7 +31,6 @@ import torch
 
 from megatron_grpo.host_ranges import host_range
 
-from .audio_stream import join_side_streams
 from .batch import TrainMicroBatch, described, reset_shared_clips
 from .logprobs import DEFAULT_CHUNK_TOKENS, token_logprobs
 
@@ -156,9 +155,7 @@ def run_schedule(model, microbatches: Sequence[TrainMicroBatch], loss_for: Calla
         if "force_all_reduce" not in inspect.signature(fb).parameters:
             raise NotImplementedError("this megatron-core's schedule has no force_all_reduce")
         kw["force_all_reduce"] = True
-    out = fb(**kw)
-    join_side_streams()  # the audio tower's stream (engine.audio_stream) is done before anything reads its work
-    return out
+    return fb(**kw)
 
 
 def _logprob_loss(vocab_size: int, chunk_size: int, with_entropy: bool, only_loss_tokens: bool,

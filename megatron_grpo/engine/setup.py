@@ -200,8 +200,6 @@ def build_model(spec: OmniSpec, layout: ParallelLayout, *, dtype: Optional[torch
     from megatron.core.transformer.module import Float16Module
 
     from model_bridge.load import load_hf
-
-    from .audio_stream import finalize_after_side_streams
     from model_bridge.modeling.thinker import build_thinker
 
     dtype = dtype or default_dtype()
@@ -224,8 +222,7 @@ def build_model(spec: OmniSpec, layout: ParallelLayout, *, dtype: Optional[torch
         bucket_size=optim.bucket_size)
     model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module)
     grad_accum.install([model])  # micro-batch gradients into the fp32 buffers in one vectorised pass
-    # the tower's gradients of its own CUDA stream are in before the reduction reads the buffers
-    config.finalize_model_grads_func = finalize_after_side_streams(finalize_model_grads)
+    config.finalize_model_grads_func = finalize_model_grads
     if optim.overlap_grad_reduce:
         config.no_sync_func = model.no_sync
     model.zero_grad_buffer()

@@ -5,7 +5,6 @@ of the schedule (``engine.batch.build_train_microbatches`` calls :func:`step_aud
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, Optional, Sequence
 
 import numpy as np
@@ -108,7 +107,7 @@ def _featurize_clips(clips: Sequence, featurize: Optional[Featurizer], cache: di
 
 
 def step_audio(trajectories, mb_ids: Sequence[tuple[int, ...]], featurize: Optional[Featurizer], n_window: int,
-                share: bool, keep_shared: float, max_frames: int, audio_tower, side=None) -> tuple[list, list]:
+                share: bool, keep_shared: float, max_frames: int, audio_tower) -> tuple[list, list]:
     """``(per_mb, uses)``: each micro-batch's own clips ``(features, frame counts, clip order)`` and its
     :class:`ClipUse` (None without shared clips), every clip featurised and checked against its
     sample's audio-token runs (:func:`build_train_microbatches` says what is shared and kept).
@@ -117,7 +116,7 @@ def step_audio(trajectories, mb_ids: Sequence[tuple[int, ...]], featurize: Optio
     featurizer gives them (``featurize.frames``), so that with ``audio_tower`` only the clips of the
     first micro-batch's batches are featurised and run through it here (``ClipUse.prefetch``) before
     the rest are featurised, while the device runs them; else from their features, every clip
-    featurised first. ``side``: the pooled clips' ``TowerStream`` (``shared_audio``, "Side stream")."""
+    featurised first."""
     cache: dict = {}
     mine = [i for ids in mb_ids for i in ids]
     pool = keep_shared > 0  # every clip through SharedClips: a tower call per batch, not per micro-batch
@@ -132,8 +131,7 @@ def step_audio(trajectories, mb_ids: Sequence[tuple[int, ...]], featurize: Optio
         frames_of = lambda a: cache[id(a)][1].shape[-1] if id(a) in cache else 0  # noqa: E731 (refused: named below)
     with host_range("clip_batches"):
         shared, uses = (_shared_plan(span, [int(frames_of(clips_C[c])) for c in range(len(clips_C))], orders,
-                                     max_frames, keep_shared, pool, side)
-                        if shared_ix else (None, [None] * len(mb_ids)))
+                                     max_frames, keep_shared, pool) if shared_ix else (None, [None] * len(mb_ids)))
     prefetch = audio_tower is not None and uses[0] is not None
     if prefetch:  # the clips of the first micro-batch's batches first, then those batches through the tower
         first = [c for b in sorted({shared.batch_of[-1 - c] for c in uses[0].order if c < 0})
@@ -186,32 +184,21 @@ def _clip_order(ids: Sequence[int], trajectories, shared_ix: dict[int, int]) -> 
 
 
 def _shared_plan(span: dict[int, tuple[int, int]], frames_C: Sequence[int], orders: Sequence[tuple[int, ...]],
-                 max_frames: int, keep_shared: float, pool: bool, side=None) -> tuple[SharedClips, list]:
+                 max_frames: int, keep_shared: float, pool: bool) -> tuple[SharedClips, list]:
     """The step's :class:`SharedClips` for clips of ``frames_C`` frames (features set later), in
     batches of at most a micro-batch's budget of audio frames (``max_frames``; shared_audio.py), and
-    each micro-batch's :class:`ClipUse` (None without shared clips; ``orders``: :func:`_clip_order`):
-    the batches it is the last user of, and those the next micro-batch is the first user of
-    (``ahead``, launched by its forward on the ``side`` stream, used with ``pool`` only)."""
+    each micro-batch's :class:`ClipUse` (None without shared clips; ``orders``: :func:`_clip_order`)."""
     keep_frames = int(keep_shared * max_frames)
     batches, always = (_pooled_batches(span, frames_C, min(max_frames, keep_frames), max_frames)
                        if pool else (None, ()))
     shared = SharedClips([None] * len(frames_C), max_frames=max_frames, keep_frames=keep_frames, batches=batches,
-                         always_keep=always, lens=frames_C, side=side if pool else None)
-    batch_first: dict[int, int] = {}
+                         always_keep=always, lens=frames_C)
     batch_last: dict[int, int] = {}
-    for c, (f, k) in span.items():
+    for c, (_, k) in span.items():
         b = shared.batch_of[c]
-        batch_first[b] = min(f, batch_first.get(b, f))
         batch_last[b] = max(k, batch_last.get(b, k))
-
-    uses = [ClipUse(shared, order, tuple(sorted(b for b, m in batch_last.items() if m == k)))
-            if any(c < 0 for c in order) else None for k, order in enumerate(orders)]
-    for k in range(len(uses) - 1):
-        if uses[k] is not None and uses[k + 1] is not None:  # in the order the next one's forward runs them
-            runs = [b for clips in uses[k + 1].split() for b in sorted({shared.batch_of[c] for c in clips})]
-            ahead = tuple(b for b in dict.fromkeys(runs) if batch_first[b] == k + 1)
-            uses[k] = dataclasses.replace(uses[k], ahead=ahead)
-    return shared, uses
+    return shared, [ClipUse(shared, order, tuple(sorted(b for b, last in batch_last.items() if last == k)))
+                    if any(c < 0 for c in order) else None for k, order in enumerate(orders)]
 
 
 def _clip_uses(mb_ids: Sequence[Sequence[int]], trajectories, share: bool,

@@ -40,7 +40,6 @@ def sft(cfg: TrainConfig, resume: bool = False) -> int:
     from megatron_grpo.algo.importance import ISConfig
     from megatron_grpo.data.device_features import trainer_featurizer
     from megatron_grpo.data.reader import DataIterator
-    from megatron_grpo.engine.audio_stream import audio_tower_stream
     from megatron_grpo.engine.batch import build_train_microbatches
     from megatron_grpo.engine.budget import common_token_budget
     from megatron_grpo.engine.checkpoint import load_checkpoint
@@ -86,7 +85,6 @@ def sft(cfg: TrainConfig, resume: bool = False) -> int:
                           logprob_chunk_size=cfg.trainer.logprob_chunk_size, fused_lm_head=cfg.trainer.fused_lm_head)
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
     tower = audio_prefetch_tower(engine, step_cfg)  # runs on the first micro-batch's clips while packing
-    side = audio_tower_stream(engine, cfg.trainer.audio_stream)  # the build's default: pooled clips
     audio_id, n_window = engine.spec.audio_token_id, engine.spec.audio.n_window
     logger = MetricsLogger(run_dir, tensorboard=cfg.logging.tensorboard, plot=cfg.logging.plot,
                            plotted=(("loss", "SFT loss (token-mean NLL)"), ("grad_norm", "grad norm"))) \
@@ -111,7 +109,7 @@ def sft(cfg: TrainConfig, resume: bool = False) -> int:
                                for r in rows]
                     plan = plan_step([x.num_tokens for x in samples], dp_size, packing)
                     mbs = build_train_microbatches(samples, plan, dp_rank, packing, featurize=featurize,
-                                                   n_window=n_window, audio_tower=tower, tower_stream=side)
+                                                   n_window=n_window, audio_tower=tower)
                     check_schedule(StepSchedule.from_microbatches(step, mbs))
                     with wd.collective("train_step"):
                         m = train_step(engine, mbs, step_cfg, step=step)

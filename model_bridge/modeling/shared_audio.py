@@ -44,36 +44,17 @@ same calls in the same order as its forward makes them), so the device works on 
 host still packs the step's tokens. The tower must then make no collective (a replicated tower, or
 TP 1): the prefetch runs before the ranks have agreed on the step.
 
-Side stream (``TowerStream``, CUDA): the batches' forwards, recomputations and backwards run on a
-second stream, so the tower's work overlaps the decoder's on the main one: a micro-batch's forward
-waits only for its own batches (an event each), launches the batches the next micro-batch uses
-first (``ClipUse.ahead``), and a last user's backward hands the tower's backward to the side stream
-and goes on. The tower's parameter gradients then go into their buffers through
-``TowerStream.backward`` (on the side stream: autograd's accumulators were made on the main one);
-whoever reads them (the gradient reduction, the optimizer) waits for the side stream first.
-
 Shape legend: ``M`` mel bins, ``F`` frames, ``N`` audio tokens (tower output rows), ``O`` the
 tower's output width.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["SharedClips", "ClipUse", "TowerStream", "frame_batches"]
-
-
-@dataclass(frozen=True)
-class TowerStream:
-    """Where :class:`SharedClips` runs the tower on CUDA (module doc, "Side stream")."""
-
-    stream: "torch.cuda.Stream"
-    backward: Callable[[Sequence[torch.Tensor], Sequence[torch.Tensor], torch.nn.Module], None]
-    """``(outputs, their gradients, tower)``: back-propagate on the current (side) stream and add the
-    tower parameters' gradients into their gradient buffers."""
+__all__ = ["SharedClips", "ClipUse", "frame_batches"]
 
 
 def frame_batches(clips: Sequence[int], lens: Sequence[int], max_frames: Optional[int]) -> list[list[int]]:
@@ -99,11 +80,9 @@ class SharedClips:
 
     def __init__(self, features_MF: Sequence[Optional[torch.Tensor]], max_frames: Optional[int] = None,
                  keep_frames: int = 0, batches: Optional[Sequence[Sequence[int]]] = None,
-                 always_keep: Sequence[int] = (), lens: Optional[Sequence[int]] = None,
-                 side: Optional[TowerStream] = None):
+                 always_keep: Sequence[int] = (), lens: Optional[Sequence[int]] = None):
         """``lens``: each clip's frame count, when the features are not all there yet (None entries,
-        each given by :meth:`set_features` before a batch that holds it runs). ``side``: run the
-        tower on that stream (module doc)."""
+        each given by :meth:`set_features` before a batch that holds it runs)."""
         if not features_MF:
             raise ValueError("SharedClips needs at least one clip")
         if keep_frames < 0:
@@ -132,8 +111,6 @@ class SharedClips:
         """Batches of the last pass whose first pass was kept for the backward (the rest recomputed)."""
         self.prefetched = False
         """Batches ran ahead of the next pass with autograd (:meth:`ClipUse.prefetch`)."""
-        self.side = side
-        self._ready: dict[int, torch.cuda.Event] = {}  # batch -> its outputs are done on the side stream
 
     def __len__(self) -> int:
         return len(self.features_MF)
@@ -147,7 +124,7 @@ class SharedClips:
 
     def reset(self) -> None:
         """Forget the embeddings and kept graphs (a new pass: the weights may have changed)."""
-        self._leaf, self._kept, self.kept_batches, self.prefetched, self._ready = {}, {}, 0, False, {}
+        self._leaf, self._kept, self.kept_batches, self.prefetched = {}, {}, 0, False
 
     def begin_pass(self, training: bool) -> None:
         """Before a pass over the micro-batches: a prefetch is this pass's first tower calls when
@@ -172,52 +149,22 @@ class SharedClips:
         out_NO = tower(feats.to(p.device, p.dtype, non_blocking=True), torch.tensor(lens))
         return list(out_NO.split([int(audio_output_lengths(n, tower.audio.n_window)) for n in lens]))
 
-    def _launch(self, tower, b: int, freed: Sequence[int] = ()) -> None:
-        """Batch ``b`` through the tower (its graph kept or not, as the module doc says, not counting
-        the kept batches ``freed``: those the backward frees before ``b``'s first user), its clips'
-        leaves cached; on the side stream when there is one."""
-        live = sum(self.batch_frames[k] for k in self._kept if k not in self.always_keep and k not in freed)
-        keep = torch.is_grad_enabled() and (b in self.always_keep or live + self.batch_frames[b] <= self.keep_frames)
-        with self._on_side():  # after the current stream's work: the features (the featurizer's kernels)
+    def _leaves(self, tower, wanted: Sequence[int]) -> list[torch.Tensor]:
+        """The tower outputs of clips ``wanted``; a batch runs at the first use of one of its clips in
+        the pass (so a kept graph lives from its batch's first user to its last)."""
+        for b in sorted({self.batch_of[c] for c in wanted if c not in self._leaf}):
+            live = sum(self.batch_frames[k] for k in self._kept if k not in self.always_keep)
+            keep = torch.is_grad_enabled() and (
+                b in self.always_keep or live + self.batch_frames[b] <= self.keep_frames)
             with torch.set_grad_enabled(keep):  # without: no activations are kept
                 outs = self._run(tower, b)
-            # float32 leaves: the uses' gradients add up as in the fp32 grad buffers
-            leaves = [out.detach().float().requires_grad_(True) for out in outs]
-            if self.side is not None:
-                self._ready[b] = torch.cuda.Event()
-                self._ready[b].record()
-        if self.side is not None:
-            for leaf in leaves:
-                leaf.record_stream(torch.cuda.current_stream())  # read there; freed only once that is done
-        if keep:
-            self._kept[b] = outs
-            self.kept_batches += 1
-        for c, leaf in zip(self.batches[b], leaves):
-            self._leaf[c] = leaf
-
-    def _leaves(self, tower, wanted: Sequence[int], wait: bool = True) -> list[torch.Tensor]:
-        """The tower outputs of clips ``wanted``; a batch runs at the first use of one of its clips in
-        the pass, or earlier (:meth:`run_ahead`), so a kept graph lives from then to its last user.
-        ``wait=False``: the current stream does not wait for a side stream's batches yet."""
-        for b in sorted({self.batch_of[c] for c in wanted if c not in self._leaf}):
-            self._launch(tower, b)
-        for b in sorted({self.batch_of[c] for c in wanted}) if wait else ():
-            ready = self._ready.pop(b, None)
-            if ready is not None:
-                torch.cuda.current_stream().wait_event(ready)
+            if keep:
+                self._kept[b] = outs
+                self.kept_batches += 1
+            for c, out in zip(self.batches[b], outs):
+                # float32 leaves: the uses' gradients add up as in the fp32 grad buffers
+                self._leaf[c] = out.detach().float().requires_grad_(True)
         return [self._leaf[c] for c in wanted]
-
-    def run_ahead(self, tower, batches: Sequence[int], freed: Sequence[int] = ()) -> None:
-        """Launch ``batches`` on the side stream now (the next micro-batch's first ones), so they run
-        while the main stream runs this micro-batch; nothing without a side stream. ``freed``: the
-        batches this micro-batch is the last user of, left out of the kept activations' count, so
-        each batch is kept or not as it would be at its first user (the run-ahead holds both for the
-        length of this micro-batch)."""
-        if self.side is None:
-            return
-        for b in batches:
-            if self.batches[b][0] not in self._leaf:
-                self._launch(tower, b, freed)
 
     def embeddings(self, tower, wanted: Sequence[int]) -> list[torch.Tensor]:
         """The tower's output ``[N_c, O]`` for clips ``wanted`` (indices into this object): rows of the
@@ -249,29 +196,11 @@ class SharedClips:
             outs = self._kept.pop(b, None)
             if all(t is None for t in totals):
                 continue  # no use reached the loss
-            with self._on_side([t for t in totals if t is not None]):  # after the uses' gradients
-                if outs is None:
-                    with torch.enable_grad():
-                        outs = self._run(tower, b)
-                used = [(o, t.to(o.dtype)) for o, t in zip(outs, totals) if t is not None]
-                if self.side is None:
-                    torch.autograd.backward([o for o, _ in used], [t for _, t in used])
-                else:
-                    self.side.backward([o for o, _ in used], [t for _, t in used], tower)
-
-    @contextlib.contextmanager
-    def _on_side(self, read: Sequence[torch.Tensor] = ()):
-        """The block on the side stream, which first waits for the current stream's work and keeps
-        ``read`` (tensors of the current stream the block uses) from being reused until it is done;
-        without a side stream, the block as it is."""
-        if self.side is None:
-            yield
-            return
-        self.side.stream.wait_stream(torch.cuda.current_stream())
-        for t in read:
-            t.record_stream(self.side.stream)
-        with torch.cuda.stream(self.side.stream):
-            yield
+            if outs is None:
+                with torch.enable_grad():
+                    outs = self._run(tower, b)
+            torch.autograd.backward([o for o, t in zip(outs, totals) if t is not None],
+                                    [t.to(o.dtype) for o, t in zip(outs, totals) if t is not None])
 
 
 class _RecomputeTower(torch.autograd.Function):
@@ -302,9 +231,6 @@ class ClipUse:
     last: tuple[int, ...] = ()
     """Batches of ``shared`` (``SharedClips.batches``) whose last user this micro-batch is: their
     recomputation runs in its backward."""
-    ahead: tuple[int, ...] = ()
-    """Batches the next micro-batch is the first user of: with a side stream, this micro-batch's
-    forward launches them (``SharedClips.run_ahead``)."""
 
     def __post_init__(self):
         bad = [c for c in self.order if c < -len(self.shared)]
@@ -318,9 +244,8 @@ class ClipUse:
     def num_own(self) -> int:
         return sum(1 for c in self.order if c >= 0)
 
-    def split(self) -> tuple[list[int], list[int]]:
-        """This micro-batch's shared clips: those of batches it is not the last user of, and the rest
-        (its forward runs their batches in this order)."""
+    def _split(self) -> tuple[list[int], list[int]]:
+        """This micro-batch's shared clips: those of batches it is not the last user of, and the rest."""
         wanted = sorted({-1 - c for c in self.order if c < 0})
         last = set(self.last)
         return ([c for c in wanted if self.shared.batch_of[c] not in last],
@@ -333,8 +258,8 @@ class ClipUse:
         of a pass, before the pass begins; the tower must make no collective (module doc)."""
         self.shared.reset()
         with torch.enable_grad():
-            for clips in self.split():
-                self.shared._leaves(tower, clips, wait=False)  # the pass's first use waits
+            for clips in self._split():
+                self.shared._leaves(tower, clips)
         self.shared.prefetched = True
 
     def rows(self, tower, own_NO: Optional[torch.Tensor], own_tokens: Sequence[int]) -> torch.Tensor:
@@ -343,9 +268,8 @@ class ClipUse:
         own = list(own_NO.split(list(own_tokens))) if own_NO is not None else []
         if len(own) != self.num_own:
             raise ValueError(f"the micro-batch has {self.num_own} own clip(s) but the tower got {len(own)}")
-        early, late = self.split()
+        early, late = self._split()
         got = dict(zip(early, self.shared.embeddings(tower, early)))
         got.update(zip(late, self.shared.last_use(tower, late, self.last)))
-        self.shared.run_ahead(tower, self.ahead, freed=self.last)
         dtype = own[0].dtype if own else next(iter(got.values())).dtype
         return torch.cat([own[c] if c >= 0 else got[-1 - c].to(dtype) for c in self.order], dim=0)

@@ -130,8 +130,6 @@ class OmniThinker(MegatronModule):
         self.share_embeddings_and_output_weights = False
         self.model_type = ModelType.encoder_or_decoder
         self.dummy_audio = dummy_audio
-        self.tower_stream = None
-        """The ``shared_audio.TowerStream`` the pooled clips' tower runs on (set by the trainer), or None."""
         self.mask_vocab_padding = mask_vocab_padding
         self.vocab_size = t.vocab_size
         self.padded_vocab_size = padded_vocab_size(t.vocab_size, layout.tp)
@@ -267,10 +265,6 @@ class OmniThinker(MegatronModule):
         from .audio import dummy_audio_input
 
         feats, lens = dummy_audio_input(self.spec, dtype=like.dtype, device=like.device)
-        if self.tower_stream is not None:
-            # its zero gradients go into the tower's buffers on this stream: after the side stream's
-            # adds (the next side-stream backward waits for this stream in turn)
-            torch.cuda.current_stream().wait_stream(self.tower_stream.stream)
         return self.audio_tower(feats, lens).sum().to(like.dtype)
 
     def forward(self, input_ids: Optional[torch.Tensor], position_ids: torch.Tensor, packed_seq_params=None,
