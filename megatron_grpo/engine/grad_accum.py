@@ -17,6 +17,10 @@ parameter ready to its bucket as before, so overlapped grad reduction and the di
 optimizer see the same buffers. The arithmetic is the same (fp32 + float(half), one rounding),
 so ``main_grad`` is bit-identical to DDP's own add.
 
+The grouped experts' weight gradients skip both adds where they apply: their backward adds them
+into ``main_grad`` itself and hands autograd a placeholder (``model_bridge/modeling/expert_wgrad.py``),
+which the hook recognises and leaves alone.
+
 Autograd also runs tensor hooks for gradients that ``torch.autograd.grad`` returns instead of
 accumulating (CUDA-graph warm-up and capture, ``engine/graphs.py``): those go through
 :func:`paused`, under which the hooks do nothing.
@@ -30,6 +34,7 @@ from typing import Optional
 
 import torch
 
+from model_bridge.modeling import expert_wgrad
 from model_bridge.modeling._triton import import_triton, triton_runs_on
 
 __all__ = ["install", "paused", "accumulate_"]
@@ -46,11 +51,13 @@ _paused = 0
 
 @contextlib.contextmanager
 def paused():
-    """No accumulation by the hooks inside (gradients taken with ``torch.autograd.grad``)."""
+    """No accumulation by the hooks inside, and the experts' weight gradients returned instead of
+    added into ``main_grad`` (gradients taken with ``torch.autograd.grad``)."""
     global _paused
     _paused += 1
     try:
-        yield
+        with expert_wgrad.paused():
+            yield
     finally:
         _paused -= 1
 
@@ -114,7 +121,7 @@ def install(model_chunks) -> int:
 def _hook(p: torch.nn.Parameter, grad: Optional[torch.Tensor]):
     # None: a node that only anchors the parameter in the graph gave it no gradient (the pooled
     # audio clips' _RecomputeTower); its gradient arrives through another backward
-    if _paused or grad is None:
+    if _paused or grad is None or expert_wgrad.take_placeholder(p):
         return None
     accumulate_(p.main_grad, grad)
     p.grad_added_to_main_grad = True
