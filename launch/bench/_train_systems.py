@@ -9,8 +9,6 @@ and optimizer) and the same trajectories; each is one "step" over the step's mic
   first pass recomputed in the backward instead of kept);
 * ``train_serial``: ``train`` with no tower batch started during the build (the device idle until
   the step's first forward but for the featurizer's work: what the prefetch saves);
-* ``train_wgrad_add``: ``train`` with the experts' weight gradients written by ``grouped_mm`` and
-  then added into the fp32 ``main_grad`` (what ``model_bridge/modeling/expert_wgrad.py`` fuses);
 * ``train_split``: the same calls with syncs between them (and no tower batch started during the
   build), so each part has its time:
   featurise (inside the build), pack (the build minus featurise, every micro-batch assembled, plus
@@ -133,20 +131,6 @@ class TrainBench:
         return {"phase_s": time.perf_counter() - t0, "grad_norm": m["grad_norm"], "loss": m["loss"],
                 "skipped": m["skipped"]}
 
-    def train_wgrad_add(self) -> dict:
-        """:meth:`train` with the experts' weight gradients written by ``grouped_mm`` and added into
-        ``main_grad`` by the accumulate hook (``MGRPO_TRITON_EXPERT_WGRAD=0``'s path) instead of
-        accumulated there by ``expert_wgrad``."""
-        mlps = [m for m in self.thinker.modules() if hasattr(m, "wgrad_into_main_grad")]
-        was = [m.wgrad_into_main_grad for m in mlps]
-        for m in mlps:
-            m.wgrad_into_main_grad = False
-        try:
-            return self.train()
-        finally:
-            for m, w in zip(mlps, was):
-                m.wgrad_into_main_grad = w
-
     def train_split(self) -> dict:
         """The same calls as :meth:`train` (``train_step``'s body inlined) with a sync between parts;
         no tower batch runs during the build (its share is the host's alone)."""
@@ -260,8 +244,7 @@ class TrainBench:
     def systems(self, names) -> dict:
         """name -> callable returning that system's times of one step."""
         table = {"train": self.train, "train_recompute": partial(self.train, 0.0),
-                 "train_serial": partial(self.train, None, False), "train_wgrad_add": self.train_wgrad_add,
-                 "train_split": self.train_split,
+                 "train_serial": partial(self.train, None, False), "train_split": self.train_split,
                  "stack": self.stack,
                  "stack_lm": partial(self.stack, True), "audio": self.audio, "h2d": self.h2d}
         unknown = [n for n in names if n not in table]

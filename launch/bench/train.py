@@ -22,9 +22,7 @@ Systems (``_train_systems``), run in turns, round by round (``--warmup`` untimed
 schedule check -> ``train_step``), ``train_recompute`` (the same with every shared recording
 recomputed in the backward instead of its first pass kept: ``trainer.shared_clips_keep: 0``;
 ``--shared-keep`` sets ``train``'s), ``train_serial`` (the same with no audio-tower batch started
-while the host packs: ``ClipUse.prefetch`` off), ``train_wgrad_add`` (the experts' weight
-gradients written by ``grouped_mm`` and then added into ``main_grad``: what ``expert_wgrad``
-fuses), ``train_split`` (the same with a sync between the parts),
+while the host packs: ``ClipUse.prefetch`` off), ``train_split`` (the same with a sync between the parts),
 ``stack`` (layer stack alone: embedding, decoder, final norm), ``stack_lm`` (layer stack + fused
 LM-head logprob), ``audio`` (the audio tower alone), ``h2d`` (the micro-batches' copy to the device).
 
@@ -67,8 +65,7 @@ TARGET_VS_STACK_LM = 0.8
 """``train`` tokens/s over ``stack_lm`` tokens/s."""
 TARGET_HOST_SHARE = 0.05
 """featurise + pack + H2D over the training phase."""
-SYSTEMS = ("train", "train_recompute", "train_serial", "train_wgrad_add", "train_split", "stack", "stack_lm", "audio",
-           "h2d")
+SYSTEMS = ("train", "train_recompute", "train_serial", "train_split", "stack", "stack_lm", "audio", "h2d")
 
 
 def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16, mb_tokens: int | str = "auto",
@@ -285,9 +282,6 @@ def report(res: dict) -> dict:
     serial = med("train_serial", "phase_s_median")
     if train and serial:  # what starting the tower during the packing saves
         r["train_vs_train_serial_tok_s"] = serial / train
-    wgrad_add = med("train_wgrad_add", "phase_s_median")
-    if train and wgrad_add:  # what adding the experts' weight gradients in their GEMM saves
-        r["train_vs_train_wgrad_add_tok_s"] = wgrad_add / train
     phase = split.get("phase_s_median")
     if phase:
         fb = split["forward_backward_s_median"]
@@ -331,7 +325,6 @@ def _print_table(res: dict) -> None:
     if "pack_parts_s" in r:
         print("  pack = " + " + ".join(f"{k} {v * 1e3:.1f} ms" for k, v in r["pack_parts_s"].items()))
     for k in ("train_vs_stack_lm_tok_s", "train_vs_stack_tok_s", "train_vs_train_serial_tok_s",
-              "train_vs_train_wgrad_add_tok_s",
               "featurise_pack_h2d_share", "optimizer_vs_bandwidth_bound"):
         if k in r:
             print(f"  {k:32s} {r[k]:.3f}")

@@ -6,7 +6,9 @@ parameters that is a mixed-dtype add, which torch runs through its unvectorised 
 kernel, and it runs once per micro-batch over every parameter: with k micro-batches a step passes
 k times over 10 bytes per parameter (read fp32 and bf16, write fp32). megatron's answer,
 gradient-accumulation fusion, needs Apex's wgrad kernels (absent here) and covers only its own
-linears, not our grouped experts (``model_bridge/modeling/experts.py``).
+linears, not our grouped experts (``model_bridge/modeling/experts.py``). A Triton grouped wgrad that
+accumulates into ``main_grad`` was no faster at the trainer's budgets than ``grouped_mm`` plus this
+add (docs/performance.md, "The experts' weight gradients accumulated in their GEMM").
 
 :func:`install` puts a tensor hook on each CUDA parameter of at least :data:`MIN_NUMEL` elements
 whose gradient is half precision and whose ``main_grad`` is fp32. Tensor hooks run before the
@@ -16,10 +18,6 @@ accumulator, so before DDP's hook: ours adds the gradient into ``main_grad`` wit
 parameter ready to its bucket as before, so overlapped grad reduction and the distributed
 optimizer see the same buffers. The arithmetic is the same (fp32 + float(half), one rounding),
 so ``main_grad`` is bit-identical to DDP's own add.
-
-The grouped experts' weight gradients skip both adds where they apply: their backward adds them
-into ``main_grad`` itself and hands autograd a placeholder (``model_bridge/modeling/expert_wgrad.py``),
-which the hook recognises and leaves alone.
 
 Autograd also runs tensor hooks for gradients that ``torch.autograd.grad`` returns instead of
 accumulating (CUDA-graph warm-up and capture, ``engine/graphs.py``): those go through
@@ -34,7 +32,6 @@ from typing import Optional
 
 import torch
 
-from model_bridge.modeling import expert_wgrad
 from model_bridge.modeling._triton import import_triton, triton_runs_on
 
 __all__ = ["install", "paused", "accumulate_"]
@@ -51,13 +48,11 @@ _paused = 0
 
 @contextlib.contextmanager
 def paused():
-    """No accumulation by the hooks inside, and the experts' weight gradients returned instead of
-    added into ``main_grad`` (gradients taken with ``torch.autograd.grad``)."""
+    """No accumulation by the hooks inside (gradients taken with ``torch.autograd.grad``)."""
     global _paused
     _paused += 1
     try:
-        with expert_wgrad.paused():
-            yield
+        yield
     finally:
         _paused -= 1
 
@@ -121,7 +116,7 @@ def install(model_chunks) -> int:
 def _hook(p: torch.nn.Parameter, grad: Optional[torch.Tensor]):
     # None: a node that only anchors the parameter in the graph gave it no gradient (the pooled
     # audio clips' _RecomputeTower); its gradient arrives through another backward
-    if _paused or grad is None or expert_wgrad.take_placeholder(p):
+    if _paused or grad is None:
         return None
     accumulate_(p.main_grad, grad)
     p.grad_added_to_main_grad = True

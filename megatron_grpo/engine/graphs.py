@@ -127,7 +127,6 @@ def graph_fallback_reason(*, cuda: bool, tp: int = 1, pp: int = 1, ep: int = 1, 
     """Why the trainer's micro-batches cannot be CUDA-graphed in this configuration (module doc), or None.
     ``backend`` ``auto`` is the layer spec it resolves to here; a named one is taken as it is."""
     from model_bridge.modeling.attention import flash_refusal_for
-    from model_bridge.modeling.experts import set_wgrad_into_main_grad
     from model_bridge.modeling.specs import resolve_backend
 
     if backend == "auto":
@@ -435,9 +434,6 @@ def enable_graphs(engine, enabled: bool, budget: int, *, backend: str = "auto", 
                 "trainer.cuda_graphs: micro-batches run eagerly: %s", why)
         engine.graphs_fallback = why
         return None
-    # the captured stacks take their expert weight gradients through autograd (captured under
-    # grad_accum.paused): the eager micro-batches do too, so every micro-batch adds them alike
-    set_wgrad_into_main_grad(unwrapped(engine.model[0]), False)
     engine.graphs = MicroBatchGraphs(unwrapped(engine.model[0]), budget, multiple)
     log.info("trainer.cuda_graphs: on, bucket shapes %s tokens", engine.graphs.buckets)
     return engine.graphs

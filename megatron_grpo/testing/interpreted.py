@@ -11,7 +11,7 @@ from model_bridge.spawn import run_ranks
 
 INTERPRETED_ENV = {"TRITON_INTERPRET": "1", "MGRPO_TRITON_GLU_CPU": "1"}
 
-KERNEL_SWITCHES = ("GLU", "ROUTING", "NORM", "ROPE", "EMPTY_GROUPS", "EMBED", "AUDIO_CONV", "GRAD_ACCUM", "ADAMW", "EXPERT_WGRAD")
+KERNEL_SWITCHES = ("GLU", "ROUTING", "NORM", "ROPE", "EMPTY_GROUPS", "EMBED", "AUDIO_CONV", "GRAD_ACCUM", "ADAMW")
 """The ``MGRPO_TRITON_<name>`` switches of the torch backend's and the engine's Triton kernels."""
 
 

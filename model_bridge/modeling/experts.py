@@ -52,13 +52,11 @@ import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
 from ._triton import import_triton, triton_runs_on
-from . import expert_wgrad
 from .empty_groups import zero_empty_group_grads
 from .permute import select_rows
 from .recompute import ROWS_OF_ATTR, RecomputeSaved
 
-__all__ = ["TorchGroupedMLP", "grouped_linear", "grouped_mm_available", "expert_offsets", "set_wgrad_into_main_grad",
-           "weighted_glu"]
+__all__ = ["TorchGroupedMLP", "grouped_linear", "grouped_mm_available", "expert_offsets", "weighted_glu"]
 
 _GLU_CHUNK_ROWS = 16384
 
@@ -121,14 +119,6 @@ def with_offsets(counts_E: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     return counts_E
 
 
-def set_wgrad_into_main_grad(model: torch.nn.Module, on: bool) -> int:
-    """``wgrad_into_main_grad = on`` for every :class:`TorchGroupedMLP` in ``model``; returns how many."""
-    mlps = [m for m in model.modules() if isinstance(m, TorchGroupedMLP)]
-    for m in mlps:
-        m.wgrad_into_main_grad = on
-    return len(mlps)
-
-
 def expert_offsets(tokens_per_expert, device: torch.device) -> torch.Tensor:
     """int32 cumulative row counts ``[E]`` on ``device`` (``grouped_mm``'s ``offs``), without a
     device sync: a host count vector is summed on the host and copied asynchronously; counts that
@@ -148,25 +138,13 @@ def expert_offsets(tokens_per_expert, device: torch.device) -> torch.Tensor:
     return offs.to(dev)
 
 
-def _plain_linear(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """:func:`grouped_linear` of tensors that take no gradient (``expert_wgrad``'s forward and input gradient)."""
-    if grouped_mm_available(x.device, x.dtype) and w.dtype == x.dtype:
-        return F.grouped_mm(x, w.transpose(-2, -1), offs=offs)
-    o = [int(v) for v in offs.tolist()]
-    return _loop_linear(x, w, [b - a for a, b in zip([0] + o[:-1], o)])
-
-
 def grouped_linear(x: torch.Tensor, w: torch.Tensor, offs: Optional[torch.Tensor],
-                   counts: Optional[Sequence[int]] = None, into_main_grad: bool = False) -> torch.Tensor:
+                   counts: Optional[Sequence[int]] = None) -> torch.Tensor:
     """Rows ``[offs[e-1], offs[e])`` of ``x [N, in]`` times ``w[e]^T`` (``w [E, out, in]``) ->
     ``[N, out]``; rows after ``offs[-1]`` are unspecified (grouped_mm) or zero (loop).
 
     ``counts`` (host ints) is needed only by the loop fallback; it is read from ``offs`` otherwise.
-    ``into_main_grad``: the weight gradient added straight into ``w.main_grad`` in the backward where
-    :func:`expert_wgrad.applies` (``expert_wgrad.py``).
     """
-    if into_main_grad and offs is not None and expert_wgrad.applies(x, w):
-        return expert_wgrad.grouped_linear_into_main_grad(x, w, offs, _plain_linear)
     if offs is not None and grouped_mm_available(x.device, x.dtype) and w.dtype == x.dtype:
         # grouped_mm leaves the weight gradient of empty groups uninitialised (empty_groups.py)
         return F.grouped_mm(x, zero_empty_group_grads(w, offs).transpose(-2, -1), offs=offs)
@@ -396,9 +374,6 @@ class TorchGroupedMLP(MegatronModule):
         self.recompute_activations = False
         """Recompute the sorted input rows and the SwiGLU output in the backward instead of saving
         them (``recompute.py``; ``build_thinker(..., recompute="experts")`` sets it)."""
-        self.wgrad_into_main_grad = True
-        """Add the weight gradients straight into megatron's fp32 ``main_grad`` in the backward where
-        ``expert_wgrad.applies`` (a DDP-wrapped model on CUDA); :func:`set_wgrad_into_main_grad`."""
         for p, dim in ((self.weight1, 1), (self.weight2, 2)):
             p.allreduce = not self.expert_parallel
             p.tensor_model_parallel = True
@@ -443,7 +418,7 @@ class TorchGroupedMLP(MegatronModule):
             counts = [int(v) for v in (tpe.tolist() if torch.is_tensor(tpe) else tpe)]
             offs = None
         with self._recompute_rows_of(x):
-            h = grouped_linear(x, self.weight1, offs, counts, self.wgrad_into_main_grad)
+            h = grouped_linear(x, self.weight1, offs, counts)
         if self.gated:
             a = weighted_glu(h, probs, self.config.activation_func)
         else:
@@ -451,7 +426,7 @@ class TorchGroupedMLP(MegatronModule):
             if probs is not None:
                 a = (a * probs.unsqueeze(-1)).to(h.dtype)
         with self._recompute_glu(a, h, probs):
-            return grouped_linear(a, self.weight2, offs, counts, self.wgrad_into_main_grad), None
+            return grouped_linear(a, self.weight2, offs, counts), None
 
     # ---- selective recomputation (recompute.py): set ``recompute_activations = True`` -----------
 

@@ -301,14 +301,12 @@ def _graph_vs_eager(hf_dir: str, budget: int, steps: int) -> dict:
     from megatron_grpo.engine.setup import build_engine, unwrapped
     from megatron_grpo.engine.step import StepConfig, forward_backward, optimizer_update
     from model_bridge.config import ParallelLayout
-    from model_bridge.modeling.experts import set_wgrad_into_main_grad
 
     engines = [build_engine(hf_dir, ParallelLayout(), dtype=torch.bfloat16) for _ in range(3)]
     g = enable_graphs(engines[0], True, budget, backend="torch")
     assert g is not None, engines[0].graphs_fallback
-    for e in engines[1:]:  # the expert weight gradients through autograd, as enable_graphs has them
+    for e in engines[1:]:
         e.graphs = EagerBuckets(unwrapped(e.model[0]), budget)
-        set_wgrad_into_main_grad(unwrapped(e.model[0]), False)
     mbs = _microbatches(engines[0], hf_dir, budget)
     cfg = StepConfig()
     res = {"equal_hidden": [], "graph_vs_eager": [], "eager_vs_eager": [], "loss": []}
