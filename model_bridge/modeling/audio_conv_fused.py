@@ -43,22 +43,27 @@ __all__ = ["fused_conv_available", "conv1_gelu", "bias_gelu"]
 
 _TAPS = 16
 """The first conv's 9 taps and its bias's tap, padded to 16: ``tl.dot`` needs every dimension >= 16."""
-_BLOCK_P = 128
-"""Output positions per tile."""
-_BLOCK_C = 32
-"""Channels per tile: 480 = 15 x 32, so no lane is masked off at Qwen3-Omni's width."""
-_CONV1_FWD_TILE = (128, 32, 4)
+_CONV1_FWD_TILE = (64, 32, 4)
 """(positions, channels, warps) of the first conv's forward tile; a program gathers its positions'
-3x3 windows once and loops over the channel blocks. Best of 8 tiles on an H200 (1.13 ms for 500
-chunks of 480 channels against 1.89 ms unfused; a sweep on the H200, 2026-12-03)."""
-_CONV1_BWD_TILE = (128, 32, 4)
-"""(positions, channels, warps) of the first conv's backward tile. Best of 10 on an H200 (2.35 ms
-for 500 chunks, against 2.23 ms for the unfused GELU backward + weight GEMM, which read the stored
-pre-activation this path does not keep; wider tiles spill registers: 64 x 128 with 8 warps took
-5.7 ms)."""
+3x3 windows once and loops over the channel blocks."""
+_CONV1_BWD_TILE = (32, 128, 4)
+"""(positions, channels, warps) of the first conv's backward tile (64 x 128 with 8 warps spills
+registers: 3.5 ms)."""
+_BIAS_GELU_FWD_TILE = (8, 512, 4)
+"""(positions, channels, warps) of ``bias_gelu``'s forward tile: whole 480-channel rows."""
+_BIAS_GELU_BWD_TILE = (32, 256, 8)
+"""(positions, channels, warps) of ``bias_gelu``'s backward tile.
+
+The four tiles are the best of 6-8 each, timed alone at 500 chunks of 480 channels in bf16 on one
+H100, 2026-12-06 (``docs/performance/audio_conv_tiles_h100_2026-12-06.json``): ``conv1_gelu``
+forward 0.743 ms (1,536 MB written), backward 1.147 ms (1,536 MB read); ``bias_gelu`` on the
+second conv's output forward 0.261 ms (768 MB), backward 0.442 ms (1,152 MB)."""
 _PROGRAMS_PER_SM = 4
 """Backward programs per SM and channel block: each loops over positions and keeps its weight and
-bias partial sums in its dot's accumulator, so the partials stay a few MB however long the audio."""
+bias partial sums in its dot's accumulator, so the partials stay a few MB however long the audio.
+Program ids run channel block first (``_tile``): the programs resident at once read whole
+``[N, C]`` rows, where position-first order had every program of a wave read the same 64 bytes
+of each 960-byte row and DRAM served ~1 TB/s."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -112,8 +117,15 @@ def _kernels():
         taps = tl.load(x_ptr + off, mask=inside, other=0.0)
         return tl.where(live & (t == 9)[None, :], 1.0, taps).to(x_ptr.dtype.element_ty)
 
+    @triton.jit
+    def _tile(C, BLOCK_C: tl.constexpr):
+        """(channel block, position program) of a flat program id, channel blocks fastest."""
+        blocks = tl.cdiv(C, BLOCK_C)
+        pid = tl.program_id(0)
+        return pid % blocks, pid // blocks
+
     # a kernel finds the helpers it calls among its module's globals (closures are not looked up)
-    globals().update(_gelu_and_slope=_gelu_and_slope, _mm=_mm, _conv1_taps=_conv1_taps)
+    globals().update(_gelu_and_slope=_gelu_and_slope, _mm=_mm, _conv1_taps=_conv1_taps, _tile=_tile)
 
     @triton.jit
     def conv1_gelu_fwd(x_ptr, w_ptr, out_ptr, n_pos, C, HO: tl.constexpr, WO: tl.constexpr, M: tl.constexpr,
@@ -134,8 +146,9 @@ def _kernels():
     def conv1_gelu_bwd(x_ptr, w_ptr, g_ptr, dw_ptr, n_pos, C, HO: tl.constexpr, WO: tl.constexpr,
                        M: tl.constexpr, L: tl.constexpr, sxk, sxm, sxl, TAPS: tl.constexpr,
                        BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, IEEE: tl.constexpr, WIDE: tl.constexpr):
-        pid, n_prog = tl.program_id(0), tl.num_programs(0)
-        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cb, pid = _tile(C, BLOCK_C)
+        n_prog = tl.num_programs(0) // tl.cdiv(C, BLOCK_C)
+        c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
         t = tl.arange(0, TAPS)
         w = tl.load(w_ptr + t[:, None] * C + c[None, :], mask=(c < C)[None, :], other=0.0)
         dw = tl.zeros([TAPS, BLOCK_C], tl.float32)  # row 9: the bias's gradient
@@ -150,8 +163,9 @@ def _kernels():
 
     @triton.jit
     def bias_gelu_fwd(y_ptr, b_ptr, out_ptr, n_pos, C, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-        p = tl.program_id(0).to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
-        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cb, pt = _tile(C, BLOCK_C)
+        p = pt.to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
+        c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
         keep = (p < n_pos)[:, None] & (c < C)[None, :]
         off = p[:, None] * C + c[None, :]
         z = tl.load(y_ptr + off, mask=keep, other=0.0).to(tl.float32)
@@ -162,8 +176,9 @@ def _kernels():
     @triton.jit
     def bias_gelu_bwd(y_ptr, b_ptr, g_ptr, gy_ptr, db_ptr, n_pos, C, BLOCK_P: tl.constexpr,
                       BLOCK_C: tl.constexpr, IEEE: tl.constexpr):
-        pid, n_prog = tl.program_id(0), tl.num_programs(0)
-        c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+        cb, pid = _tile(C, BLOCK_C)
+        n_prog = tl.num_programs(0) // tl.cdiv(C, BLOCK_C)
+        c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
         bias = tl.load(b_ptr + c, mask=c < C, other=0.0).to(tl.float32)
         # the bias gradient as a product with a block of ones: the sum over positions stays in the
         # dot's accumulator instead of a cross-warp reduction per tile
@@ -252,7 +267,7 @@ class _Conv1Gelu(torch.autograd.Function):
         progs = _programs(x_K1ML.device, n_pos, block_p)
         dw_PTC = torch.empty(progs, _TAPS, c, dtype=torch.float32, device=x_K1ML.device)
         sxk, _, sxm, sxl = x_K1ML.stride()
-        conv1_gelu_bwd[(progs, -(-c // block_c))](x_K1ML, w_TC, g_NC, dw_PTC, n_pos, c, ho, wo, m, length, sxk,
+        conv1_gelu_bwd[(progs * -(-c // block_c),)](x_K1ML, w_TC, g_NC, dw_PTC, n_pos, c, ho, wo, m, length, sxk,
                                                   sxm, sxl, TAPS=_TAPS, BLOCK_P=block_p, BLOCK_C=block_c,
                                                   IEEE=x_K1ML.dtype == torch.float32, WIDE=wide, num_warps=warps)
         dw_TC = dw_PTC.sum(0)
@@ -267,9 +282,10 @@ class _BiasGelu(torch.autograd.Function):
         y_NC = _channels_last_flat(y_KCHW)
         out_NC = torch.empty_like(y_NC)
         n_pos = y_NC.shape[0]
+        block_p, block_c, warps = _BIAS_GELU_FWD_TILE
         if n_pos:
-            bias_gelu_fwd[(-(-n_pos // _BLOCK_P), -(-c // _BLOCK_C))](y_NC, bias, out_NC, n_pos, c,
-                                                                      BLOCK_P=_BLOCK_P, BLOCK_C=_BLOCK_C)
+            bias_gelu_fwd[(-(-n_pos // block_p) * -(-c // block_c),)](y_NC, bias, out_NC, n_pos, c, BLOCK_P=block_p,
+                                                                    BLOCK_C=block_c, num_warps=warps)
         ctx.save_for_backward(y_NC, bias)
         ctx.shape = (k, c, h, w)
         return out_NC.view(k, h, w, c).permute(0, 3, 1, 2)
@@ -282,10 +298,11 @@ class _BiasGelu(torch.autograd.Function):
         g_NC = _channels_last_flat(grad_out)
         gy_NC = torch.empty_like(y_NC)
         n_pos = y_NC.shape[0]
-        progs = _programs(y_NC.device, n_pos, _BLOCK_P)
+        block_p, block_c, warps = _BIAS_GELU_BWD_TILE
+        progs = _programs(y_NC.device, n_pos, block_p)
         db_PC = torch.empty(progs, c, dtype=torch.float32, device=y_NC.device)
-        bias_gelu_bwd[(progs, -(-c // _BLOCK_C))](y_NC, bias, g_NC, gy_NC, db_PC, n_pos, c, BLOCK_P=_BLOCK_P,
-                                                  BLOCK_C=_BLOCK_C, IEEE=y_NC.dtype == torch.float32)
+        bias_gelu_bwd[(progs * -(-c // block_c),)](y_NC, bias, g_NC, gy_NC, db_PC, n_pos, c, BLOCK_P=block_p,
+                                                   BLOCK_C=block_c, IEEE=y_NC.dtype == torch.float32, num_warps=warps)
         return gy_NC.view(k, h, w, c).permute(0, 3, 1, 2), db_PC.sum(0).to(bias.dtype)
 
 
