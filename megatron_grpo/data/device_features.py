@@ -94,6 +94,7 @@ class DeviceFeaturizer:
         self.window = torch.hann_window(self.n_fft, device=self.device)
         self._stage = None  # pinned host staging buffer (CUDA), reused across calls
         self._copied = None  # the event after its last host-to-device copy
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.mel_T = torch.from_numpy(np.asarray(feature_extractor.mel_filters, dtype=np.float32)).T.contiguous() \
             .to(self.device)  # [M, n_fft // 2 + 1]
 
@@ -106,7 +107,10 @@ class DeviceFeaturizer:
         as one float32 tensor on the device. On CUDA they are written into a pinned staging buffer
         kept across calls (grown as needed) and cross in asynchronous copies of :data:`H2D_PIECE`
         samples, each issued once its range is written; the next call waits for the last copy
-        before it writes the buffer again."""
+        before it writes the buffer again. The copies run on a stream of their own, so they overlap
+        the work already queued on the current stream (the tower batches of the step's first
+        micro-batch, which run while the rest of its clips are featurised); the current stream
+        waits for them only where the features' kernels begin."""
         total = sum(padded)
         if self.device.type != "cuda":
             buf = torch.empty(total, dtype=torch.float32)
@@ -118,13 +122,19 @@ class DeviceFeaturizer:
             self._stage = torch.empty(int(total * 1.25) + 1, dtype=torch.float32, pin_memory=True)
         buf = self._stage[:total]
         host = buf.numpy()
-        out = torch.empty(total, dtype=torch.float32, device=self.device)
-        for lo in range(0, total, H2D_PIECE):
-            hi = min(lo + H2D_PIECE, total)
-            _stage_clips(host, clips, padded, lo, hi)
-            out[lo:hi].copy_(buf[lo:hi], non_blocking=True)
+        main = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self._copy_stream):
+            # allocated on the copy stream: memory the current stream's queued work may still use
+            # is never handed out there, so the copies need not wait for that work
+            out = torch.empty(total, dtype=torch.float32, device=self.device)
+            for lo in range(0, total, H2D_PIECE):
+                hi = min(lo + H2D_PIECE, total)
+                _stage_clips(host, clips, padded, lo, hi)
+                out[lo:hi].copy_(buf[lo:hi], non_blocking=True)
         self._copied = torch.cuda.Event()
-        self._copied.record()
+        self._copied.record(self._copy_stream)
+        main.wait_event(self._copied)
+        out.record_stream(main)  # freed for reuse once the current stream's work on it is done
         return out
 
     def _log_mel(self, wave: torch.Tensor, starts_C: torch.Tensor, lens_C: torch.Tensor,

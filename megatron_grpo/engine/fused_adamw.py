@@ -16,6 +16,12 @@ in one multi-tensor copy (``torch._foreach_copy_``) instead of megatron's ``copy
 and ``step`` live in the inner optimizer's ``state`` as torch's fused AdamW keeps them (``step`` a
 float32 tensor on the device), so checkpoints and ``engine/ckpt_adam.py`` see no difference.
 
+Clipping by the global norm rides along: megatron scales every fp32 gradient in place before the
+step (without Apex or TE, ``dst.copy_(src * coeff)`` per gradient: 16 B per parameter, ~10 ms of
+an H100's 4-layer step). :func:`clip_in_step` hands the coefficient to the next step instead, where
+the kernel multiplies each gradient as it loads it and the small shards' gradients are scaled in
+one multi-tensor call: the same fp32 product ``g * coeff``, so the same update bit for bit.
+
 megatron's copy runs after every inner step (``step_with_ready_grads``); after ours that multi-tensor
 copy of the shards the kernel did not write takes its place. Where it runs for another reason it
 copies everything, as before. Not installed (torch's fused AdamW and megatron's copy stay) for amsgrad, maximize,
@@ -32,7 +38,7 @@ import torch
 
 from model_bridge.modeling._triton import import_triton, triton_runs_on
 
-__all__ = ["install", "uninstall", "adamw_"]
+__all__ = ["install", "uninstall", "adamw_", "clip_in_step"]
 
 _BLOCK = 2048
 """Elements per Triton program (8 KiB of each fp32 stream)."""
@@ -49,13 +55,13 @@ def _kernel():
     triton, tl = got
 
     @triton.jit
-    def adamw_bf16(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, n, lr_wd, beta1, one_minus_beta1, beta2, one_minus_beta2, eps,
-                   step_size, bias_correction2_sqrt, WRITE_OUT: tl.constexpr, OUT_BF16: tl.constexpr,
-                   BLOCK: tl.constexpr):
+    def adamw_bf16(p_ptr, g_ptr, m_ptr, v_ptr, out_ptr, n, grad_scale, lr_wd, beta1, one_minus_beta1, beta2,
+                   one_minus_beta2, eps, step_size, bias_correction2_sqrt, WRITE_OUT: tl.constexpr,
+                   OUT_BF16: tl.constexpr, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         p = tl.load(p_ptr + offs, mask=mask)
-        g = tl.load(g_ptr + offs, mask=mask)
+        g = tl.load(g_ptr + offs, mask=mask) * grad_scale  # the clip; 1.0 leaves g as it is
         m = tl.load(m_ptr + offs, mask=mask)
         v = tl.load(v_ptr + offs, mask=mask)
         p = p - lr_wd * p  # decoupled weight decay first, as torch's AdamW
@@ -81,10 +87,11 @@ def _kernel():
 
 def adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
            step: int, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-           out: torch.Tensor | None = None) -> None:
+           out: torch.Tensor | None = None, grad_scale: float = 1.0) -> None:
     """Update ``step`` (counted from 1) of AdamW on the fp32 ``param`` and its moments in place, and
     ``out`` (``param``'s number of elements, half precision) set to the new weight rounded to its
-    dtype, in one Triton pass. The scalars are computed here in double precision and rounded once,
+    dtype, in one Triton pass, with the gradient ``grad * grad_scale`` (fp32; ``grad`` is not
+    written). The scalars are computed here in double precision and rounded once,
     as torch's AdamW computes them: the bias corrections (in fp32 on the device, ``1 - beta2**step``
     loses a quarter of its digits at the first steps), ``1 - beta`` (``1 - float32(0.999)`` is off by
     1.3e-5, which moved every update by 6.4e-6 of itself on an H200) and ``lr * weight_decay``."""
@@ -107,7 +114,7 @@ def adamw_(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_a
     n = param.numel()
     if n:
         kernel[(triton.cdiv(n, _BLOCK),)](param, grad, exp_avg, exp_avg_sq, param if out is None else out, n,
-                                          lr * weight_decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps,
+                                          grad_scale, lr * weight_decay, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps,
                                           step_size, bias_correction2_sqrt, WRITE_OUT=out is not None,
                                           OUT_BF16=out is not None and out.dtype == torch.bfloat16, BLOCK=_BLOCK)
 
@@ -188,6 +195,18 @@ def uninstall(optimizer) -> int:
     return undone
 
 
+def clip_in_step(sub, max_norm: float, total_norm: float) -> bool:
+    """megatron's ``clip_grad_by_total_norm_fp32`` for a sub-optimizer with the fused step: its
+    coefficient ``max_norm / (total_norm + 1e-6)``, where below 1, is applied by the next step as it
+    reads the gradients (module doc) instead of in a pass of its own. False (nothing done) where the
+    fused step is not installed: clip there as megatron does."""
+    if not getattr(sub, "_mgrpo_fused_adamw", False):
+        return False
+    coeff = max_norm / (total_norm + 1.0e-6)  # megatron's formula
+    sub._mgrpo_grad_scale = coeff if coeff < 1.0 else 1.0
+    return True
+
+
 def _state(inner, p: torch.Tensor) -> dict:
     st = inner.state[p]
     if not st:  # torch's fused AdamW's layout: zeros and a float32 step on the parameter's device
@@ -205,6 +224,8 @@ def _step(inner, outs: dict, sub, closure=None):
     if closure is not None:
         with torch.enable_grad():
             loss = closure()
+    scale = getattr(sub, "_mgrpo_grad_scale", 1.0)
+    sub._mgrpo_grad_scale = 1.0  # one step's clip
     with torch.no_grad():
         for group in inner.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
@@ -217,6 +238,8 @@ def _step(inner, outs: dict, sub, closure=None):
             hyper = dict(lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"])
             rest = [i for i, p in enumerate(params) if id(p) not in outs]
             if rest:  # torch's own fused AdamW, as before
+                if scale != 1.0:  # megatron's clip of these gradients: the same fp32 product, one launch
+                    torch._foreach_mul_([params[i].grad for i in rest], scale)
                 torch._fused_adamw_([params[i] for i in rest], [params[i].grad for i in rest],
                                     [sts[i]["exp_avg"] for i in rest], [sts[i]["exp_avg_sq"] for i in rest], [],
                                     [steps[i] for i in rest], amsgrad=False, beta1=beta1, beta2=beta2,
@@ -229,7 +252,7 @@ def _step(inner, outs: dict, sub, closure=None):
                 for i, k in zip(mine, counts):
                     p, st = params[i], sts[i]
                     adamw_(p, p.grad, st["exp_avg"], st["exp_avg_sq"], int(k), beta1=beta1, beta2=beta2,
-                           out=outs[id(p)], **hyper)
+                           out=outs[id(p)], grad_scale=scale, **hyper)
     sub._mgrpo_weights_written = True
     return loss
 

@@ -402,8 +402,12 @@ def forward_backward(engine, microbatches: Sequence[TrainMicroBatch], config: St
 
 
 def _clip(optimizer, grad_norm: float) -> None:
-    """Clip every sub-optimizer's grads by the global norm (what megatron's ChainedOptimizer.step does)."""
+    """Clip every sub-optimizer's grads by the global norm (what megatron's ChainedOptimizer.step
+    does); a sub-optimizer with the fused AdamW step applies the coefficient in that step
+    (``fused_adamw.clip_in_step``)."""
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    from .fused_adamw import clip_in_step
 
     has_decoupled = "use_decoupled_grad" in inspect.signature(clip_grad_by_total_norm_fp32).parameters
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
@@ -411,6 +415,8 @@ def _clip(optimizer, grad_norm: float) -> None:
             continue
         params = opt.get_parameters()
         if not params or opt.config.clip_grad <= 0.0:
+            continue
+        if clip_in_step(opt, opt.config.clip_grad, grad_norm):
             continue
         kw = {}
         if has_decoupled:

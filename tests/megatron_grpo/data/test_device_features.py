@@ -97,6 +97,27 @@ def test_gpu_copies_in_small_pieces_match_one_copy(monkeypatch):
     assert torch.equal(whole_n, piece_n) and torch.equal(whole_f, piece_f)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_features_behind_queued_work_wait_for_their_copy():
+    """The waveforms cross on a stream of their own while the current stream is still busy (a
+    ~0.1 s sleep kernel queued first): the copy finishes before the sleep does, and the features
+    are those of an idle device, to the bit."""
+    feat = DeviceFeaturizer(_extractor(), "cuda")
+    clips = _clips(4)
+    idle_f, idle_n = feat(clips)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # cycles: ~0.1 s at 2 GHz
+    slept = torch.cuda.Event()
+    slept.record()
+    busy_f, busy_n = feat(clips)
+    feat._copied.synchronize()
+    copied_while_busy = not slept.query()
+    torch.cuda.synchronize()
+    assert copied_while_busy
+    assert torch.equal(idle_n, busy_n) and torch.equal(idle_f, busy_f)
+
+
 def test_a_dithering_extractor_featurises_on_the_host_with_one_warning(monkeypatch, caplog):
     """``trainer.device_features`` (on by default) with an extractor that dithers: the trainer uses
     the host extractor and says why, instead of failing at start-up."""

@@ -40,15 +40,14 @@ def update_ulps(after_a, after_b, start) -> float:
 
 def first_step_apart(first, second, mbs, cfg) -> dict:
     """Step 1 of two engines built alike on ``mbs`` (the same gradients, so only their optimizers'
-    rounding differs): ``update_ulps`` (:func:`update_ulps`) and ``update_norm``, the largest of
-    ``second``'s updates."""
+    rounding differs): ``update_ulps`` (:func:`update_ulps`), ``update_norm``, the largest of
+    ``second``'s updates, and ``grad_norm``, ``first``'s gradient norm."""
     from megatron_grpo.engine.step import train_step
 
     start = _masters(first)
-    for e in (first, second):
-        train_step(e, mbs, cfg, step=1)
+    norms = [train_step(e, mbs, cfg, step=1)["grad_norm"] for e in (first, second)]
     a, b = _masters(first), _masters(second)
-    return {"update_ulps": update_ulps(a, b, start),
+    return {"update_ulps": update_ulps(a, b, start), "grad_norm": norms[0],
             "update_norm": max(float((y - s).norm()) for y, s in zip(b, start))}
 
 

@@ -12,6 +12,8 @@ from model_bridge.spawn import run_ranks
 
 from test_fused_adam import MAX_ULPS, _masters, first_step_apart, ulp
 
+CLIP = 1e-3
+"""``clip_grad`` of the engine test: below the tiny model's gradient norm, so every step clips."""
 MIXED = {"MGRPO_FUSED_ADAMW_MIN_NUMEL": "2048"}
 """The tiny model's parameters are all below the default size for the kernel: the larger ones go
 through it, the norms and biases through torch's fused AdamW, as a full-width model's would."""
@@ -53,6 +55,17 @@ def _kernel_rank(device: str = "cpu") -> dict:
                                          float((m - st["exp_avg"]).abs().max() / st["exp_avg"].abs().max()),
                                          float((v - st["exp_avg_sq"]).abs().max() / st["exp_avg_sq"].abs().max()))
                 res["out_equal"] &= torch.equal(out, p.to(torch.bfloat16))
+    # a clip coefficient: the same step as megatron's in-place clip (the fp32 product g * coeff) then
+    # the step, bit for bit, and the gradient left as it was
+    p0, grad = torch.randn(5000, generator=g).to(device), (torch.randn(5000, generator=g) * 1e-2).to(device)
+    runs = []
+    for pre, scale in ((0.37, 1.0), (1.0, 0.37)):
+        p, m, v, out, gr = p0.clone(), torch.zeros_like(p0), torch.zeros_like(p0), torch.empty(5000, dtype=torch.bfloat16,
+                                                                                               device=device), grad * pre
+        adamw_(p, gr, m, v, 1, lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, out=out, grad_scale=scale)
+        runs.append((p, m, v, out, gr))
+    res["scaled_equal"] = all(torch.equal(a, b) for a, b in zip(runs[0][:4], runs[1][:4])) \
+        and torch.equal(runs[1][4], grad) and not torch.equal(runs[0][1], (grad * 0.1).to(device))
     errors = []
     for bad in (dict(grad=torch.zeros(3, dtype=torch.bfloat16)), dict(param=torch.zeros(4, dtype=torch.bfloat16))):
         args = dict(param=torch.zeros(4), grad=torch.zeros(4), exp_avg=torch.zeros(4), exp_avg_sq=torch.zeros(4),
@@ -71,7 +84,7 @@ def _check_kernel(res: dict) -> None:
         "grad must be a contiguous float32 tensor of the param's shape (4,), got torch.bfloat16 (3,)",
         "param must be a contiguous float32 tensor, got torch.bfloat16"]
     # fp32 rounding apart (each of the two kernels rounds its moments, square root and divisions)
-    assert res["ulps"] <= MAX_ULPS and res["moments_rel"] < 1e-6 and res["out_equal"], res
+    assert res["ulps"] <= MAX_ULPS and res["moments_rel"] < 1e-6 and res["out_equal"] and res["scaled_equal"], res
 
 
 def test_kernel_matches_torch_adamw_through_the_interpreter():
@@ -93,7 +106,7 @@ def _weights(engine) -> list[torch.Tensor]:
 def _engine_rank(hf_dir: str, run_dir: str) -> dict:
     from megatron_grpo.engine import fused_adamw
     from megatron_grpo.engine.checkpoint import load_checkpoint, save_checkpoint
-    from megatron_grpo.engine.setup import build_engine
+    from megatron_grpo.engine.setup import OptimConfig, build_engine
     from megatron_grpo.engine.step import StepConfig, train_step
     from model_bridge.config import ParallelLayout
     from model_bridge.parallel import init_parallel
@@ -101,7 +114,10 @@ def _engine_rank(hf_dir: str, run_dir: str) -> dict:
     from test_graphs import _microbatches  # the same tiny trajectories and featurizer
 
     init_parallel(seed=1234)
-    fused, ref = (build_engine(hf_dir, ParallelLayout(), dtype=torch.bfloat16) for _ in range(2))
+    # a clip below the gradients' norm: megatron clips ref's gradients in place, the fused step
+    # scales them as it reads them (fused_adamw.clip_in_step)
+    fused, ref = (build_engine(hf_dir, ParallelLayout(), OptimConfig(clip_grad=CLIP), dtype=torch.bfloat16)
+                  for _ in range(2))
     res = {"installed": fused_adamw.install(fused.optimizer),  # 0: build_engine already installed it
            "kernel_shards": sum(p.numel() >= fused_adamw.MIN_NUMEL for p in _masters(fused)),
            "torch_shards": sum(0 < p.numel() < fused_adamw.MIN_NUMEL for p in _masters(fused)),
@@ -110,12 +126,13 @@ def _engine_rank(hf_dir: str, run_dir: str) -> dict:
     mbs = _microbatches(fused, hf_dir, 512)
     cfg = StepConfig()
     res.update(first_step_apart(fused, ref, mbs, cfg))
+    res["exp_avg_rel"] = _moments_apart(fused, ref)
     # the model's bf16 weights are the master weights rounded, written by the kernel
     res["weights_are_masters"] = _weights_equal_masters(fused)
     train_step(fused, mbs, cfg, step=2)
     res["weights_are_masters_2"] = _weights_equal_masters(fused)
     save_checkpoint(run_dir, 2, fused.model, fused.optimizer, fused.scheduler)
-    resumed = build_engine(hf_dir, ParallelLayout(), dtype=torch.bfloat16)
+    resumed = build_engine(hf_dir, ParallelLayout(), OptimConfig(clip_grad=CLIP), dtype=torch.bfloat16)
     res["loaded_step"] = load_checkpoint(run_dir, resumed.model, resumed.optimizer, resumed.scheduler)[0]
     res["loaded_weights_equal"] = all(torch.equal(x, y) for x, y in zip(_weights(fused), _weights(resumed)))
     for e in (fused, resumed):
@@ -123,6 +140,19 @@ def _engine_rank(hf_dir: str, run_dir: str) -> dict:
     res["resume_equal"] = all(torch.equal(x, y) for x, y in zip(_masters(fused), _masters(resumed))) \
         and all(torch.equal(x, y) for x, y in zip(_weights(fused), _weights(resumed)))
     return res
+
+
+def _moments_apart(first, second) -> float:
+    """The largest difference of the two engines' first moments (linear in the clipped gradient),
+    relative to the largest first moment."""
+    from megatron_grpo.engine.ckpt_adam import inner_optimizers
+
+    pairs = [(sa.optimizer.state[p]["exp_avg"], sb.optimizer.state[q]["exp_avg"])
+             for sa, sb in zip(inner_optimizers(first.optimizer), inner_optimizers(second.optimizer))
+             for ga, gb in zip(sa.optimizer.param_groups, sb.optimizer.param_groups)
+             for p, q in zip(ga["params"], gb["params"])]
+    top = max(float(b.abs().max()) for _, b in pairs)
+    return max(float((a - b).abs().max()) for a, b in pairs) / top
 
 
 def _weights_equal_masters(engine) -> bool:
@@ -142,7 +172,8 @@ def _check(res):
     assert res["uninstalled"] == 1 and res["kernel_shards"] > 10 and res["torch_shards"] > 10, res
     assert res["weights_are_masters"] and res["weights_are_masters_2"], res
     assert res["loaded_step"] == 2 and res["loaded_weights_equal"] and res["resume_equal"], res
-    # one step from equal gradients against torch's AdamW: fp32 rounding apart
+    # one step from equal gradients, clipped, against megatron's clip and torch's AdamW: fp32 rounding apart
+    assert res["grad_norm"] > 10 * CLIP and res["exp_avg_rel"] < 1e-6, res
     assert res["update_norm"] > 0 and res["update_ulps"] <= MAX_ULPS, res
 
 
