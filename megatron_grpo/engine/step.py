@@ -41,6 +41,8 @@ list), does:
    step skips the update (no optimizer or LR-schedule step), is reported (``skipped = 1``) and after
    ``max_consecutive_skips`` bad steps in a row raises :class:`NonFiniteGradError` on every rank;
    a good one clips to ``clip_grad`` by the global norm, steps Adam and the LR schedule.
+   ``train_step`` queues this right behind the backward and reads the step's metrics back from the
+   device afterwards, while the optimizer's kernels run.
 
 Returned metrics (Python floats, identical on every rank): the loss metrics of
 ``algo.losses`` (``loss``, ``pg_loss``, ``clip_frac*``, ``ratio_*``, ``entropy``, ``kl``...) and of
@@ -59,7 +61,7 @@ import math
 from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -332,7 +334,16 @@ def forward_backward(engine, microbatches: Sequence[TrainMicroBatch], config: St
                      force_all_reduce: bool = False, logprobs_out: Optional[dict] = None) -> dict[str, float]:
     """Steps 1-4 of the module doc: gradients of the step loss end up reduced in the DDP buffers
     (``param.main_grad``; with the distributed optimizer each DP rank holds its shard reduced, or
-    everything with ``force_all_reduce``). Does not zero the grads first (``train_step`` does)."""
+    everything with ``force_all_reduce``). Does not zero the grads first (``train_step`` does).
+    Returns the step's metrics."""
+    return _run_backward(engine, microbatches, config, force_all_reduce=force_all_reduce,
+                         logprobs_out=logprobs_out)()
+
+
+def _run_backward(engine, microbatches: Sequence[TrainMicroBatch], config: StepConfig, *,
+                  force_all_reduce: bool = False, logprobs_out: Optional[dict] = None) -> Callable[[], dict[str, float]]:
+    """:func:`forward_backward` up to the schedule's last launch; the returned call reads and reduces
+    the metrics (host reads of the device: call it once the next device work is queued)."""
     from megatron.core import parallel_state as ps
 
     if not isinstance(microbatches, SequenceABC):  # an iterator: its items are read more than once below
@@ -387,18 +398,23 @@ def forward_backward(engine, microbatches: Sequence[TrainMicroBatch], config: St
                                  partial(_loss_for, engine.spec.text.vocab_size, config, norms, scale, logprobs_out),
                                  forward_only=False, force_all_reduce=force_all_reduce,
                                  fused_lm_head=config.fused_lm_head, graphs=engine.graphs, routes=routes)
-    with host_range("metrics"):
-        local = reduce_metrics(collected) if collected else {}
-        metrics = _reduce_metrics_dp_pp(local)
-    if routes is not None:
-        metrics.update(replay_metrics(routes))
-    metrics.update(_moe_aux_metric(M))
-    total, real = counts["tokens_total"], counts["tokens_real"]
-    metrics.update(num_microbatches=float(M), global_num_tokens=norms["tokens"], global_num_samples=norms["samples"],
-                   loss_tokens=norms["loss_tokens"], tokens_total=total, tokens_real=real,
-                   padding_fraction=1.0 - real / total if total > 0 else 0.0, audio_clips=counts["audio_clips"],
-                   samples=counts["samples"], empty_microbatches=counts["empty_microbatches"])
-    return metrics
+
+    def finish() -> dict[str, float]:
+        with host_range("metrics"):
+            local = reduce_metrics(collected) if collected else {}
+            metrics = _reduce_metrics_dp_pp(local)
+        if routes is not None:
+            metrics.update(replay_metrics(routes))
+        metrics.update(_moe_aux_metric(M))
+        total, real = counts["tokens_total"], counts["tokens_real"]
+        metrics.update(num_microbatches=float(M), global_num_tokens=norms["tokens"],
+                       global_num_samples=norms["samples"], loss_tokens=norms["loss_tokens"], tokens_total=total,
+                       tokens_real=real, padding_fraction=1.0 - real / total if total > 0 else 0.0,
+                       audio_clips=counts["audio_clips"], samples=counts["samples"],
+                       empty_microbatches=counts["empty_microbatches"])
+        return metrics
+
+    return finish
 
 
 def _clip(optimizer, grad_norm: float) -> None:
@@ -480,6 +496,10 @@ def train_step(engine, microbatches: Sequence[TrainMicroBatch], config: StepConf
         skips = engine.nonfinite
         if skips is None or skips.max_consecutive != config.max_consecutive_skips:
             skips = engine.nonfinite = NonFiniteSkips(config.max_consecutive_skips)
-    metrics = forward_backward(engine, microbatches, config, logprobs_out=logprobs_out)
-    metrics.update(optimizer_update(engine, skips, step))
+    finish = _run_backward(engine, microbatches, config, logprobs_out=logprobs_out)
+    # the optimizer's gradient work is queued right behind the backward, and the metrics' host reads
+    # run while the device steps the optimizer (read first, the device would idle through them)
+    update = optimizer_update(engine, skips, step)
+    metrics = finish()
+    metrics.update(update)
     return metrics
