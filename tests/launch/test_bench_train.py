@@ -47,6 +47,8 @@ def _check(res):
     assert set(r["pack_parts_s"]) == {"plan", "build", "check"} and min(r["pack_parts_s"].values()) >= 0
     ob = res["optimizer_bound"]
     assert ob["bound_s"] == pytest.approx(ob["params"] * ob["bytes_per_param"] / ob["copy_bandwidth_B_s"])
+    stack_lm, audio = s["stack_lm"]["step_s_median"], s["audio"]["step_s_median"]
+    assert r["parts_bound_vs_stack_lm"] == pytest.approx(stack_lm / (stack_lm + audio + ob["bound_s"]))
     m = res["last_train_metrics"]  # the real train_step ran: loss tokens, clips and a finite grad norm
     assert m["audio_clips"] == res["audio_clips"] and m["grad_norm"] > 0 and m["skipped"] == 0.0
 
