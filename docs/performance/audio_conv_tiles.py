@@ -3,26 +3,14 @@ position-first grids; git show ca3a269:model_bridge/modeling/audio_conv_fused.py
 relative import made absolute) against the
 checkout's channel-block-first grids, forward and backward timed apart; writes JSON to argv[1]."""
 import importlib, json, sys, torch
+from _front_end_inputs import cuda_ms, front_end_inputs
 sys.path.insert(0, ".probe")
-torch.manual_seed(0)
 dev = "cuda"
 old = importlib.import_module("acf_old")
 new = importlib.import_module("model_bridge.modeling.audio_conv_fused")
 K = 500
-x = torch.randn(K, 100, 128, device=dev, dtype=torch.bfloat16).transpose(1, 2).unsqueeze(1)
-w = (torch.randn(480, 1, 3, 3, device=dev) * 0.3).bfloat16().requires_grad_()
-b = (torch.randn(480, device=dev) * 0.1).bfloat16().requires_grad_()
-y2 = (torch.randn(K, 480, 32, 25, device=dev) * 2).bfloat16().contiguous(memory_format=torch.channels_last).requires_grad_()
-g1 = torch.randn(K, 480, 64, 50, device=dev).bfloat16().contiguous(memory_format=torch.channels_last)
-g2 = torch.randn(K, 480, 32, 25, device=dev).bfloat16().contiguous(memory_format=torch.channels_last)
-
-def t(fn, n=20):
-    for _ in range(3): fn()
-    s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-    torch.cuda.synchronize(); s.record()
-    for _ in range(n): fn()
-    e.record(); torch.cuda.synchronize()
-    return s.elapsed_time(e) / n
+x, w, b, y2, g1, g2 = front_end_inputs(K)
+t = cuda_ms
 
 def run(m):
     r = {}

@@ -1,19 +1,15 @@
 """cuDNN's two 480-channel convs of the audio front-end at 500 chunks, bf16 channels-last: forward and
 forward+backward, heuristics (benchmark off) against cudnn.benchmark, and each conv's TFLOP/s."""
 import json, sys, torch, torch.nn.functional as F
+from _front_end_inputs import cuda_ms
 dev = "cuda"
 K = 500
 h1 = torch.randn(K, 480, 64, 50, device=dev, dtype=torch.bfloat16).contiguous(memory_format=torch.channels_last).requires_grad_()
 w2 = (torch.randn(480, 480, 3, 3, device=dev) * 0.02).bfloat16().contiguous(memory_format=torch.channels_last).requires_grad_()
 w3 = (torch.randn(480, 480, 3, 3, device=dev) * 0.02).bfloat16().contiguous(memory_format=torch.channels_last).requires_grad_()
 
-def t(fn, n=10):
-    for _ in range(3): fn()
-    s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-    torch.cuda.synchronize(); s.record()
-    for _ in range(n): fn()
-    e.record(); torch.cuda.synchronize()
-    return s.elapsed_time(e) / n
+def t(fn):
+    return cuda_ms(fn, n=10)
 
 def fwd2(): return F.conv2d(h1, w2, None, stride=2, padding=1)
 y2 = fwd2().detach().requires_grad_()
