@@ -80,6 +80,22 @@ def _stage_clips(host: np.ndarray, clips: Sequence[np.ndarray], padded: Sequence
     list(_POOL.map(copy, [pieces[t::threads] for t in range(threads)]))
 
 
+def _reflections(w: np.ndarray, n: int, half: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``half`` samples ``np.pad(x, half, mode="reflect")`` puts before and after ``x``, ``w``
+    zero-padded to ``n`` samples, computed from ``x``'s ends only (at most ``half + 1`` samples each)."""
+    k = min(n, half + 1)
+    head = np.zeros(k, dtype=np.float32)
+    head[:min(k, len(w))] = w[:k]
+    tail = np.zeros(k, dtype=np.float32)
+    lo = n - k  # tail = x[n - k:n]
+    if lo < len(w):
+        tail[:len(w) - lo] = w[lo:]
+    if n > half:  # one reflection: the samples next to each end, mirrored
+        return head[half:0:-1].copy(), tail[-2:-2 - half:-1].copy()
+    return (np.pad(head, (half, 0), mode="reflect")[:half].astype(np.float32),
+            np.pad(tail, (0, half), mode="reflect")[-half:].astype(np.float32))
+
+
 class DeviceFeaturizer:
     """``featurize(waveforms) -> (features [M, F] float32 on device, feature_lens [A] int64 on the host)``,
     a :data:`megatron_grpo.engine.batch.Featurizer` for ``build_train_microbatches``."""
@@ -103,8 +119,8 @@ class DeviceFeaturizer:
         return int(num_frames(len(waveform), self.hop))
 
     def _to_device(self, clips: Sequence[np.ndarray], padded: Sequence[int]) -> torch.Tensor:
-        """The clips end to end, each zero-padded to its ``padded`` length (a multiple of the hop),
-        as one float32 tensor on the device. On CUDA they are written into a pinned staging buffer
+        """The arrays ``clips`` end to end, each zero-padded to its ``padded`` length
+        (:meth:`_layout`'s parts), as one float32 tensor on the device. On CUDA they are written into a pinned staging buffer
         kept across calls (grown as needed) and cross in asynchronous copies of :data:`H2D_PIECE`
         samples, each issued once its range is written; the next call waits for the last copy
         before it writes the buffer again. The copies run on a stream of their own, so they overlap
@@ -137,27 +153,37 @@ class DeviceFeaturizer:
         out.record_stream(main)  # freed for reuse once the current stream's work on it is done
         return out
 
-    def _log_mel(self, wave: torch.Tensor, starts_C: torch.Tensor, lens_C: torch.Tensor,
-                 frame_starts_C: torch.Tensor, clip_F: torch.Tensor) -> torch.Tensor:
+    def _layout(self, clips: Sequence[np.ndarray], lens: torch.Tensor) -> tuple[list, list, list[int]]:
+        """The staged waveform's parts: per clip its left reflection (``n_fft // 2`` samples), the
+        clip zero-padded to its ``lens * hop`` samples, its right reflection, then zeros to a
+        multiple of the hop (``_stage_clips``' arrays and slots); and each clip's first frame as a
+        row of the hop grid (its segment's start over the hop)."""
+        half = self.n_fft // 2
+        arrays, slots, grid_C, start = [], [], [], 0
+        for w, n in zip(clips, (lens * self.hop).tolist()):
+            left, right = _reflections(w, n, half)
+            seg = -(-(n + 2 * half) // self.hop) * self.hop
+            arrays += [left, w, right]
+            slots += [half, n, seg - n - half]
+            grid_C.append(start // self.hop)
+            start += seg
+        return arrays, slots, grid_C
+
+    def _log_mel(self, wave: torch.Tensor, pos_F: torch.Tensor) -> torch.Tensor:
         """Log-mel rows ``[F, M]`` (before the per-clip floor) of every frame of every clip
-        (``clip_F``: the clip of each frame).
+        (``pos_F``: each frame's row of the hop grid over ``wave``, see :meth:`_layout`).
 
         Frame ``f`` of a clip of (hop-padded) length ``L`` covers samples ``f * hop - n_fft // 2``
         to ``+ n_fft`` of the clip reflected at its edges (``torch.stft``'s ``center=True``,
         ``pad_mode="reflect"``); the STFT's last frame is dropped, as the extractor does, so a clip
-        has ``L // hop`` frames. All frames are gathered, windowed, transformed and projected
-        together, ``FRAME_CHUNK`` at a time (bounds the gathered ``[n, n_fft]`` block)."""
-        half = self.n_fft // 2
-        taps = torch.arange(self.n_fft, device=self.device)
+        has ``L // hop`` frames. With each clip staged between its reflections at a multiple of the
+        hop, every frame is one row of a strided ``[G, n_fft]`` view of the waveform: the frames are
+        gathered as rows (an ``[F]`` index, not an ``[F, n_fft]`` one), windowed, transformed and
+        projected, ``FRAME_CHUNK`` at a time (bounds the gathered ``[n, n_fft]`` block)."""
+        grid = wave.as_strided(((wave.numel() - self.n_fft) // self.hop + 1, self.n_fft), (self.hop, 1))
         rows = []
-        for f0 in range(0, clip_F.shape[0], FRAME_CHUNK):
-            c = clip_F[f0:f0 + FRAME_CHUNK]
-            g = torch.arange(f0, f0 + c.shape[0], device=self.device)
-            j = ((g - frame_starts_C[c]) * self.hop - half).unsqueeze(1) + taps  # [n, n_fft] in the clip
-            last = (lens_C[c] - 1).unsqueeze(1)
-            j = j.abs()  # reflect at the start (j < 0 -> -j)
-            j = torch.where(j > last, 2 * last - j, j)  # reflect at the end
-            spec = torch.fft.rfft(wave[starts_C[c].unsqueeze(1) + j] * self.window, n=self.n_fft)
+        for f0 in range(0, pos_F.shape[0], FRAME_CHUNK):
+            spec = torch.fft.rfft(grid[pos_F[f0:f0 + FRAME_CHUNK]] * self.window, n=self.n_fft)
             rows.append(spec.abs().square() @ self.mel_T.T)  # [n, M]
         return torch.cat(rows).clamp_min(1e-10).log10()
 
@@ -167,13 +193,15 @@ class DeviceFeaturizer:
         clips = _prepare(waveforms, self.hop, False)  # checked; padded to the hop while staged
         lens = torch.tensor([-(-len(w) // self.hop) for w in clips], dtype=torch.long)  # frames per clip
         frames = int(lens.sum())
-        # [3, C] to the device in one pinned, non-blocking copy (a pageable copy waits for the stream)
-        geometry = to_device_async(torch.stack([torch.cumsum(lens, 0) - lens, lens, torch.arange(len(clips))]),
-                                   self.device)
-        frame_starts_C, lens_C, ids_C = geometry
+        arrays, slots, grid_C = self._layout(clips, lens)
+        # [4, C] to the device in one pinned, non-blocking copy (a pageable copy waits for the stream)
+        geometry = to_device_async(torch.stack([torch.cumsum(lens, 0) - lens, lens, torch.arange(len(clips)),
+                                                torch.tensor(grid_C, dtype=torch.long)]), self.device)
+        frame_starts_C, lens_C, ids_C, grid_C = geometry
         clip_F = torch.repeat_interleave(ids_C, lens_C, output_size=frames)  # output_size: no host sync
-        wave = self._to_device(clips, (lens * self.hop).tolist())
-        log_FM = self._log_mel(wave, frame_starts_C * self.hop, lens_C * self.hop, frame_starts_C, clip_F)
+        pos_F = grid_C[clip_F] + torch.arange(frames, device=self.device) - frame_starts_C[clip_F]
+        wave = self._to_device(arrays, slots)
+        log_FM = self._log_mel(wave, pos_F)
         top_C = torch.full((len(clips),), -torch.inf, device=self.device).scatter_reduce(
             0, clip_F, log_FM.amax(dim=1), "amax")  # each clip's own maximum: the 8-decade floor is per clip
         log_FM = torch.maximum(log_FM, (top_C - 8.0)[clip_F].unsqueeze(1))

@@ -69,6 +69,51 @@ def test_staging_in_threaded_pieces_is_exact(monkeypatch):
     _check("cpu", 1e-4)  # the featurizer through the same path
 
 
+@pytest.mark.parametrize("length,n", [(7, 160), (160, 160), (199, 320), (201, 320), (401, 480), (48077, 48160)])
+def test_reflections_are_numpys_reflect_padding(length, n):
+    """The samples before and after each staged clip: ``np.pad(..., mode="reflect")`` of the clip
+    zero-padded to its hop multiple, from the clip's ends alone (one clip shorter than the pad)."""
+    from megatron_grpo.data.device_features import _reflections
+
+    w = np.random.default_rng(length).standard_normal(length).astype(np.float32)
+    want = np.pad(np.pad(w, (0, n - length)), 200, mode="reflect")
+    left, right = _reflections(w, n, 200)
+    assert left.dtype == right.dtype == np.float32
+    assert np.array_equal(left, want[:200]) and np.array_equal(right, want[-200:])
+
+
+def _indexed_log_mel(feat, clips):
+    """The log-mel rows (before the per-clip floor) with every frame's samples indexed one by one
+    and reflected at the clip's edges: the frames the strided rows must equal."""
+    rows = []
+    for w in clips:
+        n = -(-len(w) // feat.hop) * feat.hop
+        x = torch.from_numpy(np.pad(w, (0, n - len(w))))
+        j = torch.arange(n // feat.hop).unsqueeze(1) * feat.hop - feat.n_fft // 2 + torch.arange(feat.n_fft)
+        j = j.abs()
+        j = torch.where(j > n - 1, 2 * (n - 1) - j, j)
+        rows.append(x[j])
+    frames = torch.cat(rows)
+    spec = torch.fft.rfft(frames * feat.window, n=feat.n_fft)
+    return (spec.abs().square() @ feat.mel_T.T).clamp_min(1e-10).log10()
+
+
+def test_strided_frames_equal_indexed_frames_bit_for_bit():
+    """Each frame as one row of a strided view over the staged waveform (its clip between its
+    reflections) gives the features of frames indexed sample by sample, to the bit."""
+    import megatron_grpo.data.device_features as df
+
+    feat = DeviceFeaturizer(_extractor(), "cpu")
+    clips = _clips(5)
+    ref = _indexed_log_mel(feat, clips)
+    lens = torch.tensor([-(-len(w) // feat.hop) for w in clips])
+    arrays, slots, grid = feat._layout(clips, lens)
+    wave = feat._to_device(arrays, slots)
+    pos = torch.cat([g + torch.arange(int(k)) for g, k in zip(grid, lens)])
+    assert torch.equal(feat._log_mel(wave, pos), ref)
+    assert all(s % feat.hop == 0 for s in np.add.reduceat(slots, range(0, len(slots), 3)))  # segments on the grid
+
+
 def test_dither_is_refused():
     fe = _extractor()
     fe.dither = 1e-5
