@@ -39,7 +39,7 @@ to ``train / stack_lm`` is what the rest of the phase costs;
 featurise + pack + H2D against the 5% target; the budget ``packing.max_tokens_per_microbatch: auto``
 would pick on this engine (``auto_budget``, next to the measured ``peak_mem_gib``).
 ``--profile SYSTEMS``: one more step of each named system under ``torch.profiler`` after the timed
-rounds; its top device kernels and top host ops into ``profile_NAME.txt`` and the JSON's
+rounds; its top device kernels and top host ops (``--profile-top`` rows each) into ``profile_NAME.txt`` and the JSON's
 ``profiles`` (a system whose host table adds up to more than its device table is launch-bound);
 on CUDA its device timeline, with the idle time charged to the innermost ``mgrpo/...`` host range
 (``megatron_grpo.host_ranges``: featurise, pack, forward, loss, schedule = megatron's backward
@@ -75,7 +75,7 @@ def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16
               systems=SYSTEMS, warmup: int = 1, iters: int = 3, seed: int = 0, tiny: bool = False,
               device: str | None = None, work_dir=None, host_features: bool = False, hf_dir=None,
               cuda_graphs: bool | str = "auto", shared_clips: bool = True, keep_shared: float = 0.5, profile=(),
-              syncs=()) -> dict:
+              syncs=(), profile_top: int = 60) -> dict:
     """Run the benchmark (module docstring); write ``bench_train.json`` / ``.png`` under ``out_dir``."""
     import torch
 
@@ -148,7 +148,8 @@ def run_bench(out_dir, layers: int = 4, audio_layers: int = 4, samples: int = 16
                 if r >= warmup:
                     rows[n].append(res)
             say(f"round {r + 1}/{warmup + iters} done")
-        profiles = {n: _profile(fn, out / f"profile_{n}.txt") for n, fn in bench.systems(list(profile)).items()}
+        profiles = {n: _profile(fn, out / f"profile_{n}.txt", profile_top)
+                    for n, fn in bench.systems(list(profile)).items()}
         host_syncs = {n: count_syncs(fn) for n, fn in bench.systems(list(syncs)).items()}
         res = {"env": _env(dev), "device": str(dev), "checkpoint": str(ckpt), "layers": None if tiny else layers,
                "audio_layers": None if tiny else audio_layers, "tiny": tiny, "samples": samples,
@@ -191,10 +192,6 @@ def _alloc_retries(dev) -> int:
     return int(torch.cuda.memory_stats(dev).get("num_alloc_retries", 0)) if dev.type == "cuda" else 0
 
 
-PROFILE_TOP = 60
-"""Kernels (by total device time) a ``--profile`` table keeps."""
-
-
 def _annotation(event) -> bool:
     """A named range's mirror on the device's timeline (``record_function`` on CUDA), not device work."""
     return bool(getattr(event, "is_user_annotation", False))
@@ -218,9 +215,9 @@ def timeline_of(events) -> dict:
                            host_ops=[r for r in host if not r[0].startswith(PREFIX)])
 
 
-def _profile(fn, path: Path) -> dict:
-    """One more (untimed) step of a system under ``torch.profiler``: its top device kernels (on CUDA)
-    and its top host ops, each by total self time (name, calls, total ms, share of that side's
+def _profile(fn, path: Path, top: int) -> dict:
+    """One more (untimed) step of a system under ``torch.profiler``: its ``top`` device kernels (on
+    CUDA) and its ``top`` host ops, each by total self time (name, calls, total ms, share of that side's
     profiled time), into ``path`` and returned as ``{"device": rows, "host": rows}``. The host table
     shows where a step that leaves the device idle spends its time (launches, copies, syncs); on
     CUDA, ``timeline`` says when the device was idle (:func:`device_timeline`)."""
@@ -238,7 +235,7 @@ def _profile(fn, path: Path) -> dict:
         mine = [e for e in events if (e.device_type.name == "CUDA") == is_cuda and not _annotation(e)]
         total = sum(getattr(e, attr) for e in mine) or 1.0
         rows = sorted(({"name": e.key[:160], "calls": e.count, "total_ms": getattr(e, attr) / 1e3,
-                        "share": getattr(e, attr) / total} for e in mine), key=lambda r: -r["total_ms"])[:PROFILE_TOP]
+                        "share": getattr(e, attr) / total} for e in mine), key=lambda r: -r["total_ms"])[:top]
         tables[side] = rows
         text.append(f"# {side} self time, {total / 1e3:.1f} ms in all\n" + "".join(
             f"{r['total_ms']:10.2f} ms {100 * r['share']:5.1f}% {r['calls']:7d}  {r['name']}\n" for r in rows))
@@ -380,7 +377,8 @@ def _cmd(args: argparse.Namespace) -> int:
               tiny=args.tiny, device=args.device, work_dir=args.work_dir, host_features=args.host_features,
               hf_dir=args.hf_dir, cuda_graphs=args.cuda_graphs, shared_clips=not args.no_shared_clips,
               keep_shared=args.shared_keep,
-              profile=[x for x in args.profile.split(",") if x], syncs=[x for x in args.syncs.split(",") if x])
+              profile=[x for x in args.profile.split(",") if x], syncs=[x for x in args.syncs.split(",") if x],
+              profile_top=args.profile_top)
     return 0
 
 
@@ -435,6 +433,9 @@ def add_parser(bsub) -> argparse.ArgumentParser:
                         "0: recompute them)")
     s.add_argument("--profile", default="", help="comma-separated systems to run once more under torch.profiler "
                                                  "after the timed rounds: their top kernels into profile_NAME.txt and the JSON")
+    s.add_argument("--profile-top", type=positive_int, default=60,
+                   help="rows (the largest by total self time) each --profile table keeps, device and host "
+                        "(default 60; 1000 keeps every kernel of a 4-layer step)")
     s.add_argument("--syncs", default="", help="comma-separated systems to run once more with every host sync "
                                                "counted by call site (CUDA; torch.cuda.set_sync_debug_mode): the "
                                                "JSON's host_syncs and the report")

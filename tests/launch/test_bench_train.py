@@ -54,13 +54,13 @@ def _check(res):
 
 
 def test_bench_train_tiny_cpu(tmp_path, tiny_ckpt):
-    res, out = _run(tmp_path, tiny_ckpt, "--device", "cpu", "--profile", "audio", "--cuda-graphs")
+    res, out = _run(tmp_path, tiny_ckpt, "--device", "cpu", "--profile", "audio", "--profile-top", "7", "--cuda-graphs")
     _check(res)
     assert res["featurizer"] == "host" and res["device"] == "cpu"
     prof = res["profiles"]["audio"]
     assert set(prof) == {"host"}  # no device table without CUDA
-    rows = prof["host"]  # the tower's own ops, largest first
-    assert rows and any("conv" in r["name"] for r in rows), rows
+    rows = prof["host"]  # the tower's own ops, largest first, the 7 largest
+    assert len(rows) == 7 and any("conv" in r["name"] for r in rows), rows
     assert [r["total_ms"] for r in rows] == sorted((r["total_ms"] for r in rows), reverse=True)
     assert (out / "profile_audio.txt").read_text().count("\n") == len(rows) + 1
     assert res["cuda_graphs"] is False and res["cuda_graphs_fallback"] == "no CUDA device (graphs are a GPU feature)"
