@@ -5,7 +5,7 @@
 #
 # STEP (default: tests layers2): tests | tests1 | tests2 | layers2 | layers2g | layers4 | layers8 | mb3072
 #       | ep2 | ep4 | ep8 | ep8_16l | sync | train4 | train8 | profile4 | graphs4 | graphs4_16k
-#       | graphs4_4k | audio_front | syncs4 | install
+#       | graphs4_4k | audio_front | syncs4 | kernels4 | install
 # * installs megatron-core from .whl/megatron_core-*.whl when it does not import (only that wheel:
 #   soundfile's wheel needs cffi, which the image lacks, and breaks librosa's import);
 # * tests: pytest -m gpu over the test files that have GPU tests (collecting all of tests/ fails
@@ -21,11 +21,14 @@
 #   samples, a budget where trainer.cuda_graphs: auto turns graphs on; audio_front: the audio
 #   conv front-end, fused Triton passes against unfused, one process; syncs4: the 4-layer phase at
 #   16,896-token micro-batches, its device idle time by host range (--profile train) and its host
-#   syncs by call site (--syncs train,stack_lm); install: only the megatron-core install above);
+#   syncs by call site (--syncs train,stack_lm); kernels4: the 4-layer phase, the layer stack + LM
+#   head and the audio tower alone, each with every kernel in its profile table (--profile-top
+#   1000: where the phase's time beyond stack_lm goes, kernel by kernel); install: only the
+#   megatron-core install above);
 # every step has its own time limit and writes under OUT (logs, JSON, PNG, profiles); more than 8 files
 # there end up in one archive, OUT/checks.tgz (the device tool returns at most 8 files).
 set -uo pipefail
-OUT=${1:?usage: launch/gpu/checks.sh OUT [tests|tests1|tests2|layers2|layers2g|layers4|layers8|mb3072|ep2|ep4|ep8|ep8_16l|sync|train4|train8|profile4|graphs4|graphs4_16k|graphs4_4k|audio_front|syncs4|install ...]}
+OUT=${1:?usage: launch/gpu/checks.sh OUT [tests|tests1|tests2|layers2|layers2g|layers4|layers8|mb3072|ep2|ep4|ep8|ep8_16l|sync|train4|train8|profile4|graphs4|graphs4_16k|graphs4_4k|audio_front|syncs4|kernels4|install ...]}
 shift
 STEPS=("${@:-tests layers2}")
 # OUT must be new or empty: at the end everything under it may be packed into one archive and removed
@@ -79,6 +82,8 @@ PY
     syncs4) bench syncs4 300 train --layers 4 --samples 64 --mb-tokens 16896 --systems train,stack_lm --iters 2 \
               --profile train --syncs train,stack_lm --out "$OUT/syncs4" --work-dir /tmp/bench_train || rc=1
             grep -h "^#" "$OUT"/syncs4/profile_*.txt 2>/dev/null; grep -A8 "host syncs in one" "$OUT/syncs4.log" ;;
+    kernels4) bench kernels4 300 train --layers 4 --samples 64 --systems train,stack_lm,audio --warmup 1 --iters 2 \
+                --profile train,stack_lm,audio --profile-top 1000 --out "$OUT/kernels4" --work-dir /tmp/bench_train || rc=1 ;;
     install) ;;  # megatron-core is installed above
     layers4) bench layers4 300 layers --layers 4 --systems ours,ours_mb_rc,hf_bs1 --out "$OUT/layers4" || rc=1 ;;
     layers8) bench layers8 300 layers --layers 8 --systems ours --out "$OUT/layers8" || rc=1 ;;
