@@ -120,13 +120,13 @@ class DeviceFeaturizer:
 
     def _to_device(self, clips: Sequence[np.ndarray], padded: Sequence[int]) -> torch.Tensor:
         """The arrays ``clips`` end to end, each zero-padded to its ``padded`` length
-        (:meth:`_layout`'s parts), as one float32 tensor on the device. On CUDA they are written into a pinned staging buffer
-        kept across calls (grown as needed) and cross in asynchronous copies of :data:`H2D_PIECE`
-        samples, each issued once its range is written; the next call waits for the last copy
-        before it writes the buffer again. The copies run on a stream of their own, so they overlap
-        the work already queued on the current stream (the tower batches of the step's first
-        micro-batch, which run while the rest of its clips are featurised); the current stream
-        waits for them only where the features' kernels begin."""
+        (:meth:`_layout`'s parts), as one float32 tensor on the device. On CUDA they are written
+        into a pinned staging buffer kept across calls (grown as needed) and cross in asynchronous
+        copies of :data:`H2D_PIECE` samples, each issued once its range is written; the next call
+        waits for the last copy before it writes the buffer again. The copies run on a stream of
+        their own, so they overlap the work already queued on the current stream (the tower batches
+        of the step's first micro-batch, which run while the step's other clips are featurised);
+        the current stream waits for them only where the features' kernels begin."""
         total = sum(padded)
         if self.device.type != "cuda":
             buf = torch.empty(total, dtype=torch.float32)
