@@ -276,12 +276,11 @@ def report(res: dict) -> dict:
         r["train_vs_stack_lm_tok_s"] = stack_lm / train
     if train and stack:
         r["train_vs_stack_tok_s"] = stack / train
-    recompute = med("train_recompute", "phase_s_median")
-    if train and recompute:  # what keeping the shared recordings' first pass saves
-        r["train_vs_train_recompute_tok_s"] = recompute / train
-    serial = med("train_serial", "phase_s_median")
-    if train and serial:  # what starting the tower during the packing saves
-        r["train_vs_train_serial_tok_s"] = serial / train
+    # what keeping the shared recordings' first pass and starting the tower during the packing save
+    for other in ("train_recompute", "train_serial"):
+        t = med(other, "phase_s_median")
+        if train and t:
+            r[f"train_vs_{other}_tok_s"] = t / train
     phase = split.get("phase_s_median")
     if phase:
         fb = split["forward_backward_s_median"]

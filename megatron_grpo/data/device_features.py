@@ -90,8 +90,6 @@ def _reflections(w: np.ndarray, n: int, half: int) -> tuple[np.ndarray, np.ndarr
     lo = n - k  # tail = x[n - k:n]
     if lo < len(w):
         tail[:len(w) - lo] = w[lo:]
-    if n > half:  # one reflection: the samples next to each end, mirrored
-        return head[half:0:-1].copy(), tail[-2:-2 - half:-1].copy()
     return (np.pad(head, (half, 0), mode="reflect")[:half].astype(np.float32),
             np.pad(tail, (0, half), mode="reflect")[-half:].astype(np.float32))
 

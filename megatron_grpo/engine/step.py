@@ -429,10 +429,10 @@ def _clip(optimizer, grad_norm: float) -> None:
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         if getattr(opt, "is_stub_optimizer", False):
             continue
-        params = opt.get_parameters()
-        if not params or opt.config.clip_grad <= 0.0:
+        if opt.config.clip_grad <= 0.0 or clip_in_step(opt, opt.config.clip_grad, grad_norm):
             continue
-        if clip_in_step(opt, opt.config.clip_grad, grad_norm):
+        params = opt.get_parameters()
+        if not params:
             continue
         kw = {}
         if has_decoupled:

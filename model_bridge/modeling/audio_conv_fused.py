@@ -121,10 +121,11 @@ def _kernels():
 
     @triton.jit
     def _tile(C, BLOCK_C: tl.constexpr):
-        """(channel block, position program) of a flat program id, channel blocks fastest."""
+        """(channel block, position program, position programs) of a flat program id, channel
+        blocks fastest."""
         blocks = tl.cdiv(C, BLOCK_C)
         pid = tl.program_id(0)
-        return pid % blocks, pid // blocks
+        return pid % blocks, pid // blocks, tl.num_programs(0) // blocks
 
     # a kernel finds the helpers it calls among its module's globals (closures are not looked up)
     globals().update(_gelu_and_slope=_gelu_and_slope, _mm=_mm, _conv1_taps=_conv1_taps, _tile=_tile)
@@ -148,8 +149,7 @@ def _kernels():
     def conv1_gelu_bwd(x_ptr, w_ptr, g_ptr, dw_ptr, n_pos, C, HO: tl.constexpr, WO: tl.constexpr,
                        M: tl.constexpr, L: tl.constexpr, sxk, sxm, sxl, TAPS: tl.constexpr,
                        BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr, IEEE: tl.constexpr, WIDE: tl.constexpr):
-        cb, pid = _tile(C, BLOCK_C)
-        n_prog = tl.num_programs(0) // tl.cdiv(C, BLOCK_C)
+        cb, pid, n_prog = _tile(C, BLOCK_C)
         c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
         t = tl.arange(0, TAPS)
         w = tl.load(w_ptr + t[:, None] * C + c[None, :], mask=(c < C)[None, :], other=0.0)
@@ -165,7 +165,7 @@ def _kernels():
 
     @triton.jit
     def bias_gelu_fwd(y_ptr, b_ptr, out_ptr, n_pos, C, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
-        cb, pt = _tile(C, BLOCK_C)
+        cb, pt, _ = _tile(C, BLOCK_C)
         p = pt.to(tl.int64) * BLOCK_P + tl.arange(0, BLOCK_P)
         c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
         keep = (p < n_pos)[:, None] & (c < C)[None, :]
@@ -178,8 +178,7 @@ def _kernels():
     @triton.jit
     def bias_gelu_bwd(y_ptr, b_ptr, g_ptr, gy_ptr, db_ptr, n_pos, C, BLOCK_P: tl.constexpr,
                       BLOCK_C: tl.constexpr, IEEE: tl.constexpr):
-        cb, pid = _tile(C, BLOCK_C)
-        n_prog = tl.num_programs(0) // tl.cdiv(C, BLOCK_C)
+        cb, pid, n_prog = _tile(C, BLOCK_C)
         c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
         bias = tl.load(b_ptr + c, mask=c < C, other=0.0).to(tl.float32)
         # the bias gradient as a product with a block of ones: the sum over positions stays in the
