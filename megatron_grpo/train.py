@@ -311,7 +311,7 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
     """Run (or resume) the job described by `cfg` on this process's rank; returns an exit code."""
     from megatron_grpo.engine.batch import build_train_microbatches
     from megatron_grpo.engine.signals import PreemptionHandler
-    from megatron_grpo.engine.step import audio_prefetch_tower, train_step, zero_grads
+    from megatron_grpo.engine.step import audio_prefetch_tower, train_step
     from megatron_grpo.hang import StepSchedule, Watchdog, check_schedule
 
     run = build_run(cfg, resume)
@@ -331,7 +331,6 @@ def train(cfg: TrainConfig, resume: bool = False) -> int:
                     if step < cfg.trainer.steps:
                         src.prefetch(step + 1)  # rollout.overlap: step+1 rolls out while this step trains
                     t0 = time.monotonic()
-                    zero_grads(engine)  # queued first: the device clears the grads while the host packs
                     plan = run.plan_of([t.num_tokens for t in trajs], groups=[t.group_id for t in trajs])  # 4. pack
                     mbs = build_train_microbatches(trajs, plan, run.dp_rank, run.packing, featurize=run.featurize,
                                                    n_window=engine.spec.audio.n_window,

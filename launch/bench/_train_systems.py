@@ -2,7 +2,7 @@
 and optimizer) and the same trajectories; each is one "step" over the step's micro-batches:
 
 * ``train``: the training phase exactly as ``mgrpo train`` runs it (``train.py``'s step 3-4):
-  ``zero_grads`` -> ``plan_step`` -> ``build_train_microbatches`` (featurising every clip with the trainer's
+  ``plan_step`` -> ``build_train_microbatches`` (featurising every clip with the trainer's
   featurizer; the first micro-batch's audio-tower batches start during the packing, as
   ``mgrpo train`` runs them) -> ``check_schedule`` -> ``train_step``; timed with a sync at its end only;
 * ``train_recompute``: the same with ``trainer.shared_clips_keep: 0`` (every shared recording's
@@ -107,7 +107,7 @@ class TrainBench:
     def train(self, keep_shared=None, prefetch: bool = True) -> dict:
         """``mgrpo train``'s step 3-4 as it runs (one sync, at the end); ``keep_shared`` overrides
         ``trainer.shared_clips_keep``; ``prefetch=False``: no tower batch runs during the build."""
-        from megatron_grpo.engine.step import train_step, zero_grads
+        from megatron_grpo.engine.step import train_step
         from megatron_grpo.hang import StepSchedule, check_schedule
         from megatron_grpo.host_ranges import host_range
         from megatron_grpo.packing import plan_step
@@ -116,7 +116,6 @@ class TrainBench:
         _sync(self.device)
         t0 = time.perf_counter()
         with host_range(PHASE):
-            zero_grads(self.engine)
             with host_range("plan"):
                 plan = plan_step(self.lengths, 1, self.packing)
             mbs = self._build(plan, None, keep_shared, prefetch=prefetch)

@@ -227,17 +227,11 @@ def _step(inner, outs: dict, sub, closure=None):
     scale = getattr(sub, "_mgrpo_grad_scale", 1.0)
     sub._mgrpo_grad_scale = 1.0  # one step's clip
     with torch.no_grad():
-        groups = []
         for group in inner.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            if params:
-                sts = [_state(inner, p) for p in params]
-                groups.append((group, params, sts, [i for i, p in enumerate(params) if id(p) in outs]))
-        # the kernel's step counts on the host for its bias corrections, every group's in one read
-        # before this step queues any work: the read waits for nothing, the device never idles behind it
-        counts = iter(torch.stack([sts[i]["step"] for _, _, sts, mine in groups for i in mine]).tolist()
-                      if any(mine for *_, mine in groups) else [])
-        for group, params, sts, mine in groups:
+            if not params:
+                continue
+            sts = [_state(inner, p) for p in params]
             steps = [s["step"] for s in sts]
             torch._foreach_add_(steps, 1.0)  # the state as torch's fused AdamW keeps it
             beta1, beta2 = group["betas"]
@@ -250,10 +244,15 @@ def _step(inner, outs: dict, sub, closure=None):
                                     [sts[i]["exp_avg"] for i in rest], [sts[i]["exp_avg_sq"] for i in rest], [],
                                     [steps[i] for i in rest], amsgrad=False, beta1=beta1, beta2=beta2,
                                     maximize=False, grad_scale=None, found_inf=None, **hyper)
-            for i in mine:
-                p, st = params[i], sts[i]
-                adamw_(p, p.grad, st["exp_avg"], st["exp_avg_sq"], int(next(counts)) + 1, beta1=beta1,
-                       beta2=beta2, out=outs[id(p)], grad_scale=scale, **hyper)
+            mine = [i for i, p in enumerate(params) if id(p) in outs]
+            if mine:
+                # the counts on the host for the bias corrections: one read per group (the device has
+                # finished the gradient norm's read by now, so it waits for little)
+                counts = torch.stack([steps[i] for i in mine]).tolist()
+                for i, k in zip(mine, counts):
+                    p, st = params[i], sts[i]
+                    adamw_(p, p.grad, st["exp_avg"], st["exp_avg_sq"], int(k), beta1=beta1, beta2=beta2,
+                           out=outs[id(p)], grad_scale=scale, **hyper)
     sub._mgrpo_weights_written = True
     return loss
 

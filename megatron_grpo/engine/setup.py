@@ -169,9 +169,6 @@ class Engine:
     ``trainer.cuda_graphs`` applies (:func:`~megatron_grpo.engine.graphs.enable_graphs`); None: eager."""
     graphs_fallback: Optional[str] = None
     """Why ``trainer.cuda_graphs`` did not apply (None when it did or was off)."""
-    grads_zeroed: bool = False
-    """Whether the gradients were zeroed for the next step ahead of it
-    (:func:`~megatron_grpo.engine.step.zero_grads`); ``train_step`` zeroes them itself otherwise."""
 
     @property
     def config(self):

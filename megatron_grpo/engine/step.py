@@ -79,7 +79,7 @@ from .nonfinite import NonFiniteGradError, NonFiniteSkips, log_nonfinite
 from .routes import RouteSink, replay_metrics
 
 __all__ = ["StepConfig", "NonFiniteGradError", "NonFiniteSkips", "forward_backward", "optimizer_update",
-           "train_step", "zero_grads", "StepError", "audio_prefetch_tower"]
+           "train_step", "StepError", "audio_prefetch_tower"]
 
 
 class StepError(RuntimeError):
@@ -479,32 +479,19 @@ def optimizer_update(engine, skips: Optional[NonFiniteSkips] = None, step: Optio
             "total_skips": float(skips.total)}
 
 
-def zero_grads(engine) -> None:
-    """Zero the gradients for the next :func:`train_step` (megatron's DDP buffers and the
-    optimizer's grads), which then does not zero them again. Called before
-    ``build_train_microbatches``, the device clears the buffers (fp32: 4 B per parameter, ~4 ms at
-    3.2 G parameters on an H100) while the host featurises and packs the step and the device would
-    otherwise wait for it."""
-    with host_range("zero_grad"):
-        for m in engine.model:
-            m.zero_grad_buffer()
-        engine.optimizer.zero_grad()
-    engine.grads_zeroed = True
-
-
 def train_step(engine, microbatches: Sequence[TrainMicroBatch], config: StepConfig, *,
                skips: Optional[NonFiniteSkips] = None, step: Optional[int] = None,
                logprobs_out: Optional[dict] = None) -> dict[str, float]:
-    """Zero the grads (unless :func:`zero_grads` did since the last step), :func:`forward_backward`,
-    :func:`optimizer_update`; the merged metrics.
+    """Zero the grads, :func:`forward_backward`, :func:`optimizer_update`; the merged metrics.
 
     ``logprobs_out`` (a dict): filled on the last pipeline stage with the trainer's behaviour
     logprobs of each of this rank's samples, ``{global sample id: float32 [L_i]}`` (token-aligned
     like ``Trajectory.rollout_logprobs_T``, 0 off the loss mask), the ones the rollout correction
     compares with vLLM's; a copy to the CPU per micro-batch, so ask only on steps that keep them."""
-    if not engine.grads_zeroed:
-        zero_grads(engine)
-    engine.grads_zeroed = False  # the backward below accumulates into them
+    with host_range("zero_grad"):
+        for m in engine.model:
+            m.zero_grad_buffer()
+        engine.optimizer.zero_grad()
     if skips is None:
         skips = engine.nonfinite
         if skips is None or skips.max_consecutive != config.max_consecutive_skips:

@@ -114,9 +114,9 @@ def step_audio(trajectories, mb_ids: Sequence[tuple[int, ...]], featurize: Optio
 
     The shared clips' batches are planned from their frame counts: from their lengths where the
     featurizer gives them (``featurize.frames``), so that with ``audio_tower`` only the clips of the
-    first micro-batch's batches are featurised and run through it here (``ClipUse.prefetch``), batch
-    by batch, each featurised while the device runs the one before, and the rest are featurised
-    while the device runs the last; else from their features, every clip featurised first."""
+    first micro-batch's batches are featurised and run through it here (``ClipUse.prefetch``) before
+    the rest are featurised, while the device runs them; else from their features, every clip
+    featurised first."""
     cache: dict = {}
     mine = [i for ids in mb_ids for i in ids]
     pool = keep_shared > 0  # every clip through SharedClips: a tower call per batch, not per micro-batch
@@ -133,20 +133,16 @@ def step_audio(trajectories, mb_ids: Sequence[tuple[int, ...]], featurize: Optio
         shared, uses = (_shared_plan(span, [int(frames_of(clips_C[c])) for c in range(len(clips_C))], orders,
                                      max_frames, keep_shared, pool) if shared_ix else (None, [None] * len(mb_ids)))
     prefetch = audio_tower is not None and uses[0] is not None
-    if prefetch:  # the first micro-batch's batches through the tower, each featurised just before it runs
-        def featurise_batch(batch: tuple[int, ...]) -> None:
-            with host_range("featurise"):
-                _featurize_clips([clips_C[c] for c in batch], featurize, cache)
-            if not all(id(clips_C[c]) in cache for c in batch):
-                raise _Refused  # the checks below name the clip
-            for c in batch:
+    if prefetch:  # the clips of the first micro-batch's batches first, then those batches through the tower
+        first = [c for b in sorted({shared.batch_of[-1 - c] for c in uses[0].order if c < 0})
+                 for c in shared.batches[b]]
+        with host_range("featurise"):
+            _featurize_clips([clips_C[c] for c in first], featurize, cache)
+        if all(id(clips_C[c]) in cache for c in first):  # else the checks below name the clip
+            for c in first:
                 shared.set_features(c, cache[id(clips_C[c])][1])
-
-        try:
             with host_range("prefetch_tower"):
-                uses[0].prefetch(audio_tower, before=featurise_batch)
-        except _Refused:
-            shared.reset()
+                uses[0].prefetch(audio_tower)
     with host_range("featurise"):
         _featurize_clips([a for i in mine for a in trajectories[i].audios], featurize, cache)
     with host_range("clip_batches"):
@@ -173,10 +169,6 @@ def step_audio(trajectories, mb_ids: Sequence[tuple[int, ...]], featurize: Optio
         with host_range("prefetch_tower"):
             uses[0].prefetch(audio_tower)
     return per_mb, uses
-
-
-class _Refused(Exception):
-    """A clip of a prefetched batch that the featurizer refused (the per-sample checks name it)."""
 
 
 def _clip_order(ids: Sequence[int], trajectories, shared_ix: dict[int, int]) -> tuple[int, ...]:

@@ -45,7 +45,7 @@ def sft(cfg: TrainConfig, resume: bool = False) -> int:
     from megatron_grpo.engine.checkpoint import load_checkpoint
     from megatron_grpo.engine.checkpoint_async import Checkpoints, async_save_enabled
     from megatron_grpo.engine.setup import build_engine
-    from megatron_grpo.engine.step import StepConfig, audio_prefetch_tower, train_step, zero_grads
+    from megatron_grpo.engine.step import StepConfig, audio_prefetch_tower, train_step
     from megatron_grpo.hang import StepSchedule, Watchdog, check_schedule
     from megatron_grpo.metrics import MetricsLogger
     from megatron_grpo.packing import PackLimits, plan_step, round_up
@@ -107,7 +107,6 @@ def sft(cfg: TrainConfig, resume: bool = False) -> int:
                     samples = [sft_sample(r, tokenizer, r.load_audios(cfg.data), audio_token_id=audio_id,
                                           chat_template_kwargs=cfg.rollout.chat_template_kwargs, n_window=n_window)
                                for r in rows]
-                    zero_grads(engine)  # queued first: the device clears the grads while the host packs
                     plan = plan_step([x.num_tokens for x in samples], dp_size, packing)
                     mbs = build_train_microbatches(samples, plan, dp_rank, packing, featurize=featurize,
                                                    n_window=n_window, audio_tower=tower)

@@ -50,7 +50,7 @@ tower's output width.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -251,20 +251,15 @@ class ClipUse:
         return ([c for c in wanted if self.shared.batch_of[c] not in last],
                 [c for c in wanted if self.shared.batch_of[c] in last])
 
-    def prefetch(self, tower, before: Optional[Callable[[tuple[int, ...]], None]] = None) -> None:
+    def prefetch(self, tower) -> None:
         """Run the tower now on the batches this micro-batch's forward would run first, with
         autograd, in the order :meth:`rows` runs them (same keep decisions, same values); the next
         pass with autograd (:meth:`SharedClips.begin_pass`) takes them. For the first micro-batch
-        of a pass, before the pass begins; the tower must make no collective (module doc).
-        ``before(clips)``, when given, runs before each batch with that batch's clips (where the
-        caller sets their features: each batch's are then prepared while the previous batch runs)."""
+        of a pass, before the pass begins; the tower must make no collective (module doc)."""
         self.shared.reset()
         with torch.enable_grad():
             for clips in self._split():
-                for b in sorted({self.shared.batch_of[c] for c in clips}):  # _leaves' own order
-                    if before is not None:
-                        before(self.shared.batches[b])
-                    self.shared._leaves(tower, [c for c in clips if self.shared.batch_of[c] == b])
+                self.shared._leaves(tower, clips)
         self.shared.prefetched = True
 
     def rows(self, tower, own_NO: Optional[torch.Tensor], own_tokens: Sequence[int]) -> torch.Tensor:
