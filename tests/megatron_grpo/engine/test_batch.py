@@ -77,6 +77,26 @@ def test_build_train_microbatches_layout_and_audio_count_check(tiny_ckpt):
         build_train_microbatches(trajs, plan, 0, cfg, featurize=off_by_one)
 
 
+def test_a_steps_shared_clips_are_freed_with_its_micro_batches(tiny_ckpt):
+    """The micro-batches hold the step's SharedClips (its features on the device): dropping them
+    frees it at once, by reference counting (no reference cycle), before the next step's build."""
+    import gc
+    import weakref
+
+    from megatron_grpo.engine.batch import build_train_microbatches
+
+    trajs, plan, cfg, featurize = _step(tiny_ckpt, 2)
+    mbs = build_train_microbatches(trajs, plan, 0, cfg, featurize=featurize)
+    ref = weakref.ref(mbs[0].clip_use.shared)
+    gc.collect()
+    gc.disable()
+    try:
+        del mbs
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
 def test_microbatches_are_checked_when_built_and_assembled_when_read(tiny_ckpt):
     """``build_train_microbatches`` assembles nothing; each micro-batch's info (what the step reads
     before the schedule) is what the assembled micro-batch says; bad per-token input fails in the
