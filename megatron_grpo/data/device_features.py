@@ -90,8 +90,7 @@ def _reflections(w: np.ndarray, n: int, half: int) -> tuple[np.ndarray, np.ndarr
     lo = n - k  # tail = x[n - k:n]
     if lo < len(w):
         tail[:len(w) - lo] = w[lo:]
-    return (np.pad(head, (half, 0), mode="reflect")[:half].astype(np.float32),
-            np.pad(tail, (0, half), mode="reflect")[-half:].astype(np.float32))
+    return np.pad(head, (half, 0), mode="reflect")[:half], np.pad(tail, (0, half), mode="reflect")[-half:]
 
 
 class DeviceFeaturizer:
@@ -192,12 +191,12 @@ class DeviceFeaturizer:
         lens = torch.tensor([-(-len(w) // self.hop) for w in clips], dtype=torch.long)  # frames per clip
         frames = int(lens.sum())
         arrays, slots, grid_C = self._layout(clips, lens)
-        # [4, C] to the device in one pinned, non-blocking copy (a pageable copy waits for the stream)
-        geometry = to_device_async(torch.stack([torch.cumsum(lens, 0) - lens, lens, torch.arange(len(clips)),
-                                                torch.tensor(grid_C, dtype=torch.long)]), self.device)
-        frame_starts_C, lens_C, ids_C, grid_C = geometry
+        # frame f (counted over all clips) of clip c is row f + shift_C[c] of the hop grid
+        shift_C = torch.tensor(grid_C, dtype=torch.long) - (torch.cumsum(lens, 0) - lens)
+        # [3, C] to the device in one pinned, non-blocking copy (a pageable copy waits for the stream)
+        lens_C, ids_C, shift_C = to_device_async(torch.stack([lens, torch.arange(len(clips)), shift_C]), self.device)
         clip_F = torch.repeat_interleave(ids_C, lens_C, output_size=frames)  # output_size: no host sync
-        pos_F = grid_C[clip_F] + torch.arange(frames, device=self.device) - frame_starts_C[clip_F]
+        pos_F = torch.arange(frames, device=self.device) + shift_C[clip_F]
         wave = self._to_device(arrays, slots)
         log_FM = self._log_mel(wave, pos_F)
         top_C = torch.full((len(clips),), -torch.inf, device=self.device).scatter_reduce(

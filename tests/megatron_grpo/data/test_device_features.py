@@ -101,8 +101,6 @@ def _indexed_log_mel(feat, clips):
 def test_strided_frames_equal_indexed_frames_bit_for_bit():
     """Each frame as one row of a strided view over the staged waveform (its clip between its
     reflections) gives the features of frames indexed sample by sample, to the bit."""
-    import megatron_grpo.data.device_features as df
-
     feat = DeviceFeaturizer(_extractor(), "cpu")
     clips = _clips(5)
     ref = _indexed_log_mel(feat, clips)
